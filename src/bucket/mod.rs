@@ -1,0 +1,6 @@
+//! Bucket documents: planning (pure), the MongoDB store, and the writer
+//! that runs plans and resolves conflicts.
+
+pub mod plan;
+pub mod store;
+pub mod writer;

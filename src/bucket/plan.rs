@@ -1,0 +1,275 @@
+//! Bucket planning: given what we know of a customer's newest bucket and the
+//! customer's events from one batch, decide which events are already
+//! stored, which fill the open bucket and which open new buckets. Pure.
+//!
+//! Why the plan is safe to execute against a database other writers may
+//! touch (a zombie after a rebalance, a customer spread over partitions):
+//! - the fill is guarded on the bucket's `count`: counts only grow, so a
+//!   matching count means nobody appended since we last saw the bucket, and
+//!   our copy of its keys and watermark is exact;
+//! - a new bucket names its predecessor in `prev`, under a unique index: one
+//!   successor per bucket, and we only plan a successor for a bucket we have
+//!   seen full, so every bucket but the newest is full;
+//! - `history.key` is unique across documents, so a trade cannot land in two
+//!   buckets; within the open bucket the exact key copy catches it;
+//! - `wm` (watermark) maps each source partition to the highest offset whose
+//!   event is in the customer's buckets, advanced in the same atomic update
+//!   as the append. Events of one partition are applied in offset order, so
+//!   everything at or below it is already stored: replays skip it cheaply.
+//!
+//! Any guard miss or duplicate key means our view was stale: reload the
+//! newest bucket and plan again. Re-planning is idempotent by the rules
+//! above, which is what makes the effect exactly-once.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use mongodb::bson::Bson;
+
+use crate::event::{CustomerId, Source, Trade, MAX_EPOCH_SECONDS};
+
+/// Largest same-second suffix; six digits keep string order equal to
+/// numeric order.
+const MAX_SUFFIX: u32 = 999_999;
+
+/// What we know of a customer's newest bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketHead {
+    pub id: String,
+    /// The stored `customerId` value, copied into successors so every bucket
+    /// of a customer carries the same type.
+    pub customer: Bson,
+    pub count: u32,
+    /// `history.key` of every trade in this bucket.
+    pub keys: HashSet<String>,
+    /// Partition key -> highest applied offset.
+    pub wm: BTreeMap<String, i64>,
+}
+
+/// One event of the batch, as the planner sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Event<'a> {
+    /// Position in the caller's batch, used to refer back to it.
+    pub index: usize,
+    pub trade: &'a Trade,
+    pub source: &'a Source,
+}
+
+/// Append to the open bucket, guarded on its current count.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fill {
+    pub bucket_id: String,
+    pub expected_count: u32,
+    /// Batch indices of the appended events, in order.
+    pub events: Vec<usize>,
+    /// Watermark advances (partition key -> offset), applied with `$max`.
+    pub wm: BTreeMap<String, i64>,
+    pub tickers: BTreeSet<String>,
+}
+
+/// A whole new bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewBucket {
+    pub id: String,
+    /// The predecessor's `_id`, or `<customer>_` for the first bucket.
+    pub prev: String,
+    pub customer: Bson,
+    pub events: Vec<usize>,
+    pub wm: BTreeMap<String, i64>,
+    pub tickers: BTreeSet<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CustomerPlan {
+    pub fill: Option<Fill>,
+    pub new_buckets: Vec<NewBucket>,
+    /// At or below the watermark: stored by an earlier delivery.
+    pub already_applied: Vec<usize>,
+    /// Same key as a stored trade or an earlier event of this batch.
+    pub duplicates: Vec<usize>,
+    /// Events that cannot be placed (the `_id` space after the newest bucket
+    /// is exhausted, or the newest bucket has a foreign `_id`), with why.
+    pub unplaceable: Vec<(usize, String)>,
+    /// The newest bucket once every operation above has succeeded.
+    pub after: Option<BucketHead>,
+}
+
+impl CustomerPlan {
+    pub fn has_writes(&self) -> bool {
+        self.fill.is_some() || !self.new_buckets.is_empty()
+    }
+}
+
+/// The `_id` prefix shared by all of a customer's buckets, and the `prev` of
+/// the first one.
+pub fn id_prefix(customer: &CustomerId) -> String {
+    format!("{}_", customer.id_text())
+}
+
+/// `<customer>_<10-digit seconds>` or, when a bucket must sort after one
+/// that started in the same second or later, `..._<6-digit suffix>`.
+pub fn format_bucket_id(prefix: &str, secs: i64, suffix: u32) -> String {
+    if suffix == 0 {
+        format!("{prefix}{secs:010}")
+    } else {
+        format!("{prefix}{secs:010}_{suffix:06}")
+    }
+}
+
+/// Inverse of [`format_bucket_id`]; `None` for an `_id` not of that form.
+pub fn parse_bucket_id(prefix: &str, id: &str) -> Option<(i64, u32)> {
+    let rest = id.strip_prefix(prefix)?;
+    let (secs, suffix) = match rest.split_once('_') {
+        Some((s, n)) if n.len() == 6 && n.bytes().all(|b| b.is_ascii_digit()) => {
+            (s, n.parse().ok()?)
+        }
+        Some(_) => return None,
+        None => (rest, 0),
+    };
+    if secs.len() != 10 || !secs.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((secs.parse().ok()?, suffix))
+}
+
+/// The position of the bucket after `prev` whose first trade is at
+/// `first_secs`: its own second when that is later, otherwise the previous
+/// second with the next suffix, so `_id` order is always page order.
+pub fn next_bucket_position(prev: Option<(i64, u32)>, first_secs: i64) -> Option<(i64, u32)> {
+    match prev {
+        None => Some((first_secs, 0)),
+        Some((secs, _)) if first_secs > secs => Some((first_secs, 0)),
+        Some((secs, n)) if n < MAX_SUFFIX => Some((secs, n + 1)),
+        Some((secs, _)) if secs < MAX_EPOCH_SECONDS => Some((secs + 1, 0)),
+        Some(_) => None,
+    }
+}
+
+/// Plans one customer's events (in stream order) against `head`.
+/// `known_elsewhere` holds keys found stored in other buckets of this
+/// customer (learnt after a duplicate-key error).
+pub fn plan_customer(
+    customer: &CustomerId,
+    head: Option<&BucketHead>,
+    events: &[Event<'_>],
+    known_elsewhere: &HashSet<String>,
+    capacity: u32,
+) -> CustomerPlan {
+    let mut plan = CustomerPlan::default();
+    let mut accepted: Vec<Event<'_>> = Vec::with_capacity(events.len());
+    let mut seen: HashSet<&str> = HashSet::new();
+    for ev in events {
+        let applied = head
+            .and_then(|h| h.wm.get(&ev.source.partition_key()))
+            .is_some_and(|&wm| ev.source.offset <= wm);
+        if applied {
+            plan.already_applied.push(ev.index);
+        } else if head.is_some_and(|h| h.keys.contains(&ev.trade.key))
+            || known_elsewhere.contains(&ev.trade.key)
+            || !seen.insert(&ev.trade.key)
+        {
+            plan.duplicates.push(ev.index);
+        } else {
+            accepted.push(*ev);
+        }
+    }
+
+    let mut head = head.cloned();
+    let mut rest = accepted.as_slice();
+
+    if let Some(h) = head.as_mut() {
+        if h.count < capacity && !rest.is_empty() {
+            let take = rest.len().min((capacity - h.count) as usize);
+            let (now, later) = rest.split_at(take);
+            let mut fill = Fill {
+                bucket_id: h.id.clone(),
+                expected_count: h.count,
+                events: Vec::with_capacity(take),
+                wm: BTreeMap::new(),
+                tickers: BTreeSet::new(),
+            };
+            for ev in now {
+                fill.events.push(ev.index);
+                advance(&mut fill.wm, ev.source);
+                fill.tickers.insert(ev.trade.ticker.clone());
+                h.keys.insert(ev.trade.key.clone());
+            }
+            h.count += take as u32;
+            for (k, v) in &fill.wm {
+                advance_to(&mut h.wm, k, *v);
+            }
+            plan.fill = Some(fill);
+            rest = later;
+        }
+    }
+
+    let prefix = id_prefix(customer);
+    while !rest.is_empty() {
+        let prev_pos = match head.as_ref() {
+            None => None,
+            Some(h) => match parse_bucket_id(&prefix, &h.id) {
+                Some(pos) => Some(pos),
+                None => {
+                    let why = format!(
+                        "the newest bucket {:?} has an _id this version cannot extend",
+                        h.id
+                    );
+                    plan.unplaceable
+                        .extend(rest.iter().map(|ev| (ev.index, why.clone())));
+                    break;
+                }
+            },
+        };
+        let Some((secs, suffix)) = next_bucket_position(prev_pos, rest[0].trade.epoch_seconds())
+        else {
+            let why = "no bucket _id sorts after the newest bucket".to_string();
+            plan.unplaceable
+                .extend(rest.iter().map(|ev| (ev.index, why.clone())));
+            break;
+        };
+        let take = rest.len().min(capacity as usize);
+        let (now, later) = rest.split_at(take);
+        let mut wm = head.as_ref().map(|h| h.wm.clone()).unwrap_or_default();
+        let mut bucket = NewBucket {
+            id: format_bucket_id(&prefix, secs, suffix),
+            prev: head.as_ref().map_or_else(|| prefix.clone(), |h| h.id.clone()),
+            customer: head
+                .as_ref()
+                .map_or_else(|| customer.to_bson(), |h| h.customer.clone()),
+            events: Vec::with_capacity(take),
+            wm: BTreeMap::new(),
+            tickers: BTreeSet::new(),
+        };
+        let mut keys = HashSet::with_capacity(take);
+        for ev in now {
+            bucket.events.push(ev.index);
+            advance(&mut wm, ev.source);
+            bucket.tickers.insert(ev.trade.ticker.clone());
+            keys.insert(ev.trade.key.clone());
+        }
+        bucket.wm = wm.clone();
+        head = Some(BucketHead {
+            id: bucket.id.clone(),
+            customer: bucket.customer.clone(),
+            count: take as u32,
+            keys,
+            wm,
+        });
+        plan.new_buckets.push(bucket);
+        rest = later;
+    }
+
+    plan.after = head;
+    plan
+}
+
+fn advance(wm: &mut BTreeMap<String, i64>, source: &Source) {
+    advance_to(wm, &source.partition_key(), source.offset);
+}
+
+fn advance_to(wm: &mut BTreeMap<String, i64>, key: &str, offset: i64) {
+    let entry = wm.entry(key.to_string()).or_insert(offset);
+    *entry = (*entry).max(offset);
+}
+
+#[cfg(test)]
+mod tests;

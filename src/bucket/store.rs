@@ -1,0 +1,516 @@
+//! The bucket collection in MongoDB: indexes, loading a customer's newest
+//! bucket, the guarded fill updates and the bucket inserts, and the reads
+//! behind `page` and `audit`.
+//!
+//! Fills go out as one raw `update` command with many statements (every
+//! server version has it; the driver's typed multi-statement API needs
+//! MongoDB 8.0). That command reports only the total matched count, so a
+//! shortfall marks every customer of the command as stale, to be reloaded:
+//! rare, and always safe, because re-planning is idempotent.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use mongodb::bson::{doc, Bson, Document};
+use mongodb::error::{ErrorKind, WriteFailure};
+use mongodb::options::{
+    Acknowledgment, ClientOptions, FindOneOptions, IndexOptions, InsertManyOptions, WriteConcern,
+};
+use mongodb::{Client, Collection, Database, IndexModel};
+
+use super::plan::{BucketHead, Fill, NewBucket};
+use crate::config::MongoSettings;
+use crate::event::{CustomerId, Trade};
+
+/// Duplicate key: another writer (or an earlier delivery) got there first.
+pub const DUPLICATE_KEY: i32 = 11000;
+
+/// Statements per `update` command: well under the 100,000 limit and the
+/// 16 MiB command size for buckets of typical trades.
+const MAX_STATEMENT_BYTES: usize = 8 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Worth retrying: network, elections, write-concern timeouts, a server
+    /// restarting. The outcome of the failed request is unknown.
+    #[error("MongoDB unavailable: {0}")]
+    Transient(#[source] mongodb::error::Error),
+    /// A response we cannot interpret, or an error that retrying will not
+    /// change (bad credentials, missing privileges). Still retried by the
+    /// pipeline, loudly, because dropping the batch would lose trades.
+    #[error("MongoDB request failed: {0}")]
+    Failed(String),
+}
+
+impl From<mongodb::error::Error> for StoreError {
+    fn from(e: mongodb::error::Error) -> Self {
+        StoreError::Transient(e)
+    }
+}
+
+/// What happened to one statement that failed on its own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatementError {
+    pub index: usize,
+    pub code: i32,
+    pub message: String,
+}
+
+impl StatementError {
+    pub fn is_duplicate_key(&self) -> bool {
+        self.code == DUPLICATE_KEY
+    }
+}
+
+/// Result of one `update` command.
+#[derive(Debug, Default)]
+pub struct FillOutcome {
+    /// Statements that matched their guard (total only: see module docs).
+    pub matched: u64,
+    pub errors: Vec<StatementError>,
+}
+
+/// Result of an ordered insert: everything before `failed` was inserted.
+#[derive(Debug, Default)]
+pub struct InsertOutcome {
+    pub failed: Option<StatementError>,
+}
+
+#[derive(Clone)]
+pub struct BucketStore {
+    client: Client,
+    db: Database,
+    coll: Collection<Document>,
+    write_concern: WriteConcern,
+    load_concurrency: usize,
+}
+
+impl BucketStore {
+    pub async fn connect(settings: &MongoSettings) -> Result<Self, StoreError> {
+        let mut options = ClientOptions::parse(&settings.uri).await?;
+        options.app_name.get_or_insert_with(|| "tradebucket".to_string());
+        // Fail a request within seconds when the server is gone, so the
+        // pipeline's backoff (not a driver-internal wait) paces the retries
+        // and readiness reflects the outage promptly.
+        options
+            .server_selection_timeout
+            .get_or_insert(Duration::from_secs(5));
+        options.connect_timeout.get_or_insert(Duration::from_secs(5));
+        let client = Client::with_options(options)?;
+        let db = client.database(&settings.database);
+        let coll = db.collection::<Document>(&settings.collection);
+        let w = if settings.write_concern == "majority" {
+            Acknowledgment::Majority
+        } else {
+            Acknowledgment::Nodes(settings.write_concern.parse().map_err(|_| {
+                StoreError::Failed(format!("bad write concern {:?}", settings.write_concern))
+            })?)
+        };
+        let write_concern = WriteConcern::builder()
+            .w(w)
+            .journal(settings.journal)
+            .build();
+        Ok(BucketStore {
+            client,
+            db,
+            coll,
+            write_concern,
+            load_concurrency: settings.load_concurrency,
+        })
+    }
+
+    pub fn collection(&self) -> &Collection<Document> {
+        &self.coll
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// A cheap round trip: is the server there and answering?
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.db.run_command(doc! {"ping": 1}).await?;
+        Ok(())
+    }
+
+    /// Creates the indexes the guarantees rest on. Idempotent.
+    pub async fn init(&self) -> Result<(), StoreError> {
+        let unique = |name: &str, field: &str| {
+            IndexModel::builder()
+                .keys(doc! {field: 1})
+                .options(
+                    IndexOptions::builder()
+                        .name(name.to_string())
+                        .unique(true)
+                        // Buckets written by other tools (the manual's own
+                        // upsert) have neither field; they must not collide
+                        // with each other on a missing value.
+                        .partial_filter_expression(doc! {field: {"$exists": true}})
+                        .build(),
+                )
+                .build()
+        };
+        let models = vec![
+            // One successor per bucket: no two writers can both open page n+1.
+            unique("prev_unique", "prev"),
+            // One copy of each trade across all buckets.
+            unique("history_key_unique", "history.key"),
+            // The keyword-search index (multikey over `tickers`).
+            IndexModel::builder()
+                .keys(doc! {"customerId": 1, "tickers": 1})
+                .options(
+                    IndexOptions::builder()
+                        .name("customer_tickers".to_string())
+                        .build(),
+                )
+                .build(),
+        ];
+        self.coll.create_indexes(models).await?;
+        Ok(())
+    }
+
+    /// The newest bucket of `customer` (highest `_id` in its prefix range),
+    /// with just the fields planning needs.
+    pub async fn load_head(&self, customer: &CustomerId) -> Result<Option<BucketHead>, StoreError> {
+        let options = FindOneOptions::builder()
+            .sort(doc! {"_id": -1})
+            .projection(doc! {"count": 1, "customerId": 1, "wm": 1, "history.key": 1})
+            .build();
+        let doc = self
+            .coll
+            .find_one(prefix_range(customer))
+            .with_options(options)
+            .await?;
+        doc.map(|d| head_from_document(&d)).transpose()
+    }
+
+    /// Loads several customers' heads, `load_concurrency` at a time.
+    pub async fn load_heads(
+        &self,
+        customers: Vec<CustomerId>,
+    ) -> Result<Vec<(CustomerId, Option<BucketHead>)>, StoreError> {
+        futures::stream::iter(customers)
+            .map(|c| async move {
+                let head = self.load_head(&c).await?;
+                Ok::<_, StoreError>((c, head))
+            })
+            .buffer_unordered(self.load_concurrency)
+            .try_collect()
+            .await
+    }
+
+    /// Which of `keys` are stored already, and in which bucket.
+    pub async fn find_keys(&self, keys: &[String]) -> Result<Vec<(String, String)>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let wanted: HashSet<&str> = keys.iter().map(String::as_str).collect();
+        let mut cursor = self
+            .coll
+            .find(doc! {"history.key": {"$in": keys}})
+            .projection(doc! {"history.key": 1})
+            .await?;
+        let mut found = Vec::new();
+        while let Some(d) = cursor.try_next().await? {
+            let id = d.get_str("_id").unwrap_or_default().to_string();
+            for entry in d.get_array("history").map(|a| a.as_slice()).unwrap_or(&[]) {
+                if let Some(k) = entry.as_document().and_then(|e| e.get_str("key").ok()) {
+                    if wanted.contains(k) {
+                        found.push((k.to_string(), id.clone()));
+                    }
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Runs fill statements (unordered: each is its own customer's).
+    pub async fn apply_fills(&self, statements: Vec<Document>) -> Result<FillOutcome, StoreError> {
+        let mut outcome = FillOutcome::default();
+        let mut base = 0;
+        for chunk in chunk_by_size(statements) {
+            let len = chunk.len();
+            let reply = self
+                .db
+                .run_command(doc! {
+                    "update": self.coll.name(),
+                    "updates": chunk,
+                    "ordered": false,
+                    "writeConcern": write_concern_doc(&self.write_concern),
+                })
+                .await?;
+            let part = parse_write_reply(&reply)?;
+            outcome.matched += part.0;
+            outcome
+                .errors
+                .extend(part.1.into_iter().map(|mut e| {
+                    e.index += base;
+                    e
+                }));
+            base += len;
+        }
+        Ok(outcome)
+    }
+
+    /// Inserts new buckets in order, stopping at the first failure so a
+    /// customer's chain never gets a bucket after a missing one.
+    pub async fn insert_buckets(&self, docs: Vec<Document>) -> Result<InsertOutcome, StoreError> {
+        if docs.is_empty() {
+            return Ok(InsertOutcome::default());
+        }
+        let options = InsertManyOptions::builder()
+            .ordered(true)
+            .write_concern(self.write_concern.clone())
+            .build();
+        match self.coll.insert_many(docs).with_options(options).await {
+            Ok(_) => Ok(InsertOutcome::default()),
+            Err(e) => match *e.kind {
+                ErrorKind::InsertMany(ref failure) if failure.write_concern_error.is_none() => {
+                    match failure.write_errors.as_ref().and_then(|w| w.first()) {
+                        Some(w) => Ok(InsertOutcome {
+                            failed: Some(StatementError {
+                                index: w.index,
+                                code: w.code,
+                                message: w.message.clone(),
+                            }),
+                        }),
+                        None => Err(StoreError::Transient(e)),
+                    }
+                }
+                ErrorKind::Write(WriteFailure::WriteError(ref w)) => Ok(InsertOutcome {
+                    failed: Some(StatementError {
+                        index: 0,
+                        code: w.code,
+                        message: w.message.clone(),
+                    }),
+                }),
+                _ => Err(StoreError::Transient(e)),
+            },
+        }
+    }
+
+    /// Page `n` (1-based) of a customer's history: the manual's query,
+    /// `find({_id: /^<id>_/}).sort({_id: 1}).skip(n - 1).limit(1)`.
+    pub async fn page(&self, customer: &CustomerId, n: u64) -> Result<Option<Document>, StoreError> {
+        let regex = mongodb::bson::Regex {
+            pattern: format!("^{}_", customer.id_text()),
+            options: String::new(),
+        };
+        let mut cursor = self
+            .coll
+            .find(doc! {"_id": regex})
+            .sort(doc! {"_id": 1})
+            .skip(n.saturating_sub(1))
+            .limit(1)
+            .await?;
+        Ok(cursor.try_next().await?)
+    }
+}
+
+/// `{_id: {$gte: "<c>_", $lt: "<c>`"}}`: the customer's buckets and no
+/// other customer's, since '`' is the character after '_' and customer ids
+/// cannot contain '_'. Uses the `_id` index.
+pub fn prefix_range(customer: &CustomerId) -> Document {
+    let id = customer.id_text();
+    doc! {"_id": {"$gte": format!("{id}_"), "$lt": format!("{id}`")}}
+}
+
+fn write_concern_doc(wc: &WriteConcern) -> Document {
+    let mut d = Document::new();
+    match &wc.w {
+        Some(Acknowledgment::Nodes(n)) => d.insert("w", i64::from(*n)),
+        Some(Acknowledgment::Custom(s)) => d.insert("w", s.clone()),
+        _ => d.insert("w", "majority"),
+    };
+    if let Some(j) = wc.journal {
+        d.insert("j", j);
+    }
+    d
+}
+
+/// `(matched, statement errors)` from an `update` reply; a write-concern
+/// error makes the whole outcome unknown, hence transient.
+fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), StoreError> {
+    if let Ok(wce) = reply.get_document("writeConcernError") {
+        return Err(StoreError::Failed(format!("write concern error: {wce}")));
+    }
+    let n = match reply.get("n") {
+        Some(Bson::Int32(n)) => *n as u64,
+        Some(Bson::Int64(n)) => *n as u64,
+        Some(Bson::Double(n)) => *n as u64,
+        _ => return Err(StoreError::Failed(format!("update reply without n: {reply}"))),
+    };
+    let mut errors = Vec::new();
+    if let Ok(list) = reply.get_array("writeErrors") {
+        for e in list.iter().filter_map(Bson::as_document) {
+            let index = match e.get("index") {
+                Some(Bson::Int32(i)) => *i as usize,
+                Some(Bson::Int64(i)) => *i as usize,
+                _ => return Err(StoreError::Failed(format!("write error without index: {e}"))),
+            };
+            errors.push(StatementError {
+                index,
+                code: e.get_i32("code").unwrap_or(-1),
+                message: e.get_str("errmsg").unwrap_or_default().to_string(),
+            });
+        }
+    }
+    Ok((n, errors))
+}
+
+fn chunk_by_size(statements: Vec<Document>) -> Vec<Vec<Document>> {
+    let mut chunks = Vec::new();
+    let mut current = Vec::new();
+    let mut bytes = 0;
+    for s in statements {
+        let size = approx_size(&s);
+        if !current.is_empty() && bytes + size > MAX_STATEMENT_BYTES {
+            chunks.push(std::mem::take(&mut current));
+            bytes = 0;
+        }
+        bytes += size;
+        current.push(s);
+    }
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
+fn approx_size(d: &Document) -> usize {
+    // Serialising is the only exact measure; statements are small relative
+    // to the budget, so the cost is the price of never sending >16 MiB.
+    mongodb::bson::to_vec(d).map(|v| v.len()).unwrap_or(MAX_STATEMENT_BYTES)
+}
+
+/// Builds our view of a bucket from its stored form.
+pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
+    let id = d
+        .get_str("_id")
+        .map_err(|_| StoreError::Failed(format!("bucket with a non-string _id: {d}")))?
+        .to_string();
+    let count = match d.get("count") {
+        Some(Bson::Int32(n)) => *n as u32,
+        Some(Bson::Int64(n)) => *n as u32,
+        Some(Bson::Double(n)) => *n as u32,
+        _ => return Err(StoreError::Failed(format!("bucket {id} has no numeric count"))),
+    };
+    let keys = d
+        .get_array("history")
+        .map(|a| a.as_slice())
+        .unwrap_or(&[])
+        .iter()
+        .filter_map(|e| e.as_document()?.get_str("key").ok().map(str::to_string))
+        .collect();
+    let mut wm = BTreeMap::new();
+    if let Ok(w) = d.get_document("wm") {
+        for (k, v) in w {
+            let offset = match v {
+                Bson::Int64(o) => *o,
+                Bson::Int32(o) => i64::from(*o),
+                _ => continue,
+            };
+            wm.insert(k.clone(), offset);
+        }
+    }
+    Ok(BucketHead {
+        id,
+        customer: d.get("customerId").cloned().unwrap_or(Bson::Null),
+        count,
+        keys,
+        wm,
+    })
+}
+
+/// The guarded append: matches only if nobody appended since we looked.
+pub fn fill_statement(fill: &Fill, trades: &[&Trade]) -> Document {
+    let mut max = Document::new();
+    for (k, v) in &fill.wm {
+        max.insert(format!("wm.{k}"), *v);
+    }
+    let history: Vec<Bson> = trades.iter().map(|t| Bson::Document(t.doc.clone())).collect();
+    let tickers: Vec<&String> = fill.tickers.iter().collect();
+    doc! {
+        "q": {"_id": &fill.bucket_id, "count": fill.expected_count as i64},
+        "u": {
+            "$push": {"history": {"$each": history}},
+            "$inc": {"count": trades.len() as i64},
+            "$max": max,
+            "$addToSet": {"tickers": {"$each": tickers}},
+        },
+    }
+}
+
+/// A new bucket document.
+pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> Document {
+    let mut wm = Document::new();
+    for (k, v) in &bucket.wm {
+        wm.insert(k.clone(), *v);
+    }
+    let history: Vec<Bson> = trades.iter().map(|t| Bson::Document(t.doc.clone())).collect();
+    let tickers: Vec<&String> = bucket.tickers.iter().collect();
+    doc! {
+        "_id": &bucket.id,
+        "customerId": bucket.customer.clone(),
+        "count": trades.len() as i64,
+        "history": history,
+        "tickers": tickers,
+        "prev": &bucket.prev,
+        "wm": wm,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefix_range_covers_exactly_one_customer() {
+        let r = prefix_range(&CustomerId::Int(12));
+        let range = r.get_document("_id").unwrap();
+        let (lo, hi) = (range.get_str("$gte").unwrap(), range.get_str("$lt").unwrap());
+        for inside in ["12_0000000001", "12_9999999999_000001"] {
+            assert!(lo <= inside && inside < hi, "{inside}");
+        }
+        for outside in ["1_0000000001", "120_0000000001", "12-3_0000000001", "13_0000000001"] {
+            assert!(!(lo <= outside && outside < hi), "{outside}");
+        }
+    }
+
+    #[test]
+    fn write_replies_are_parsed_with_indexes() {
+        let reply = doc! {"ok": 1.0, "n": 3, "nModified": 3, "writeErrors": [
+            {"index": 4, "code": 11000, "errmsg": "E11000 duplicate key"},
+            {"index": 7, "code": 121, "errmsg": "Document failed validation"},
+        ]};
+        let (n, errs) = parse_write_reply(&reply).unwrap();
+        assert_eq!(n, 3);
+        assert_eq!(errs.len(), 2);
+        assert!(errs[0].is_duplicate_key());
+        assert_eq!((errs[1].index, errs[1].code), (7, 121));
+        let wce = doc! {"ok": 1.0, "n": 1, "writeConcernError": {"code": 64}};
+        assert!(parse_write_reply(&wce).is_err());
+    }
+
+    #[test]
+    fn chunks_respect_the_size_budget_and_keep_order() {
+        let big = "x".repeat(3 * 1024 * 1024);
+        let statements: Vec<Document> = (0..5).map(|i| doc! {"i": i, "pad": &big}).collect();
+        let chunks = chunk_by_size(statements);
+        assert_eq!(chunks.iter().map(Vec::len).collect::<Vec<_>>(), vec![2, 2, 1]);
+        let order: Vec<i32> = chunks.iter().flatten().map(|d| d.get_i32("i").unwrap()).collect();
+        assert_eq!(order, vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn heads_round_trip_through_the_stored_form() {
+        let d = doc! {"_id": "5_0000000100", "customerId": 5_i64, "count": 2_i64,
+            "history": [{"key": "a"}, {"key": "b"}], "wm": {"t:0": 17_i64}};
+        let h = head_from_document(&d).unwrap();
+        assert_eq!(h.count, 2);
+        assert_eq!(h.keys.len(), 2);
+        assert_eq!(h.wm.get("t:0"), Some(&17));
+        assert_eq!(h.customer, Bson::Int64(5));
+    }
+}

@@ -1,0 +1,366 @@
+//! Writes one batch of trades into buckets: plan every customer, send all
+//! fills in one command, then all new buckets in one ordered insert, and
+//! re-plan whoever hit a conflict, until every event has an outcome.
+//!
+//! The writer keeps each customer's newest bucket in a bounded LRU cache
+//! while we own its partitions, so the steady state costs no reads. The
+//! cache is an optimisation only: every write is guarded (see
+//! [`super::plan`]), so a stale entry costs a reload, never a wrong write.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::num::NonZeroUsize;
+
+use lru::LruCache;
+use mongodb::bson::Document;
+
+use super::plan::{id_prefix, plan_customer, BucketHead, CustomerPlan, Event};
+use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
+use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
+
+/// A conflict is resolved by one reload; this many rounds without progress
+/// means something keeps writing the same customers (a zombie that will not
+/// die): give the batch back to the retry loop, which backs off.
+const MAX_ROUNDS: usize = 32;
+
+/// The fate of one event of a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Pending,
+    /// Appended by this delivery.
+    Written,
+    /// Already stored by an earlier delivery (at or below the watermark).
+    AlreadyApplied,
+    /// Its key is already stored (an upstream duplicate).
+    Duplicate,
+    /// Must go to the dead-letter topic.
+    DeadLetter(Reject),
+}
+
+impl Outcome {
+    pub fn is_final(&self) -> bool {
+        !matches!(self, Outcome::Pending)
+    }
+}
+
+/// Counts for one `write` call, for metrics and logs.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct WriteStats {
+    pub rounds: usize,
+    pub customers: usize,
+    pub fills: usize,
+    pub buckets_created: usize,
+    pub conflicts: usize,
+    pub heads_loaded: usize,
+}
+
+pub struct BucketWriter {
+    store: BucketStore,
+    capacity: u32,
+    cache: LruCache<CustomerId, Option<BucketHead>>,
+}
+
+impl BucketWriter {
+    pub fn new(store: BucketStore, capacity: u32, cache_customers: usize) -> Self {
+        BucketWriter {
+            store,
+            capacity,
+            cache: LruCache::new(NonZeroUsize::new(cache_customers.max(1)).expect("max(1)")),
+        }
+    }
+
+    pub fn store(&self) -> &BucketStore {
+        &self.store
+    }
+
+    /// Forgets every cached bucket: after a rebalance another instance may
+    /// have written our former customers.
+    pub fn forget_all(&mut self) {
+        self.cache.clear();
+    }
+
+    /// Writes `events` (in stream order). `outcomes` has one slot per event
+    /// and survives a failed call, so a retry keeps what is already known.
+    /// On `Err`, events still `Pending` must be retried.
+    pub async fn write(
+        &mut self,
+        events: &[(Trade, Source)],
+        outcomes: &mut [Outcome],
+    ) -> Result<WriteStats, StoreError> {
+        assert_eq!(events.len(), outcomes.len(), "one outcome per event");
+        let mut by_customer: BTreeMap<CustomerId, Vec<usize>> = BTreeMap::new();
+        for (i, (trade, _)) in events.iter().enumerate() {
+            if !outcomes[i].is_final() {
+                by_customer.entry(trade.customer.clone()).or_default().push(i);
+            }
+        }
+        let mut stats = WriteStats {
+            customers: by_customer.len(),
+            ..WriteStats::default()
+        };
+        let mut elsewhere: HashMap<CustomerId, HashSet<String>> = HashMap::new();
+        let result = self
+            .rounds(events, outcomes, &mut by_customer, &mut elsewhere, &mut stats)
+            .await;
+        if result.is_err() {
+            // Whatever we were doing, we no longer know the state of these
+            // customers.
+            for c in by_customer.keys() {
+                self.cache.pop(c);
+            }
+        }
+        result.map(|()| stats)
+    }
+
+    async fn rounds(
+        &mut self,
+        events: &[(Trade, Source)],
+        outcomes: &mut [Outcome],
+        pending: &mut BTreeMap<CustomerId, Vec<usize>>,
+        elsewhere: &mut HashMap<CustomerId, HashSet<String>>,
+        stats: &mut WriteStats,
+    ) -> Result<(), StoreError> {
+        while !pending.is_empty() {
+            stats.rounds += 1;
+            if stats.rounds > MAX_ROUNDS {
+                return Err(StoreError::Failed(format!(
+                    "{} customers still conflicting after {MAX_ROUNDS} rounds",
+                    pending.len()
+                )));
+            }
+            self.load_missing(pending, stats).await?;
+
+            // Plan every pending customer against its cached head.
+            let no_keys = HashSet::new();
+            let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(pending.len());
+            for (customer, idx) in pending.iter() {
+                let head = self.cache.get(customer).cloned().flatten();
+                let evs: Vec<Event<'_>> = idx
+                    .iter()
+                    .filter(|&&i| !outcomes[i].is_final())
+                    .map(|&i| Event {
+                        index: i,
+                        trade: &events[i].0,
+                        source: &events[i].1,
+                    })
+                    .collect();
+                let known = elsewhere.get(customer).unwrap_or(&no_keys);
+                let plan = plan_customer(customer, head.as_ref(), &evs, known, self.capacity);
+                settle(outcomes, &plan.already_applied, Outcome::AlreadyApplied);
+                settle(outcomes, &plan.duplicates, Outcome::Duplicate);
+                for (i, why) in &plan.unplaceable {
+                    settle(
+                        outcomes,
+                        &[*i],
+                        Outcome::DeadLetter(Reject::new(RejectKind::Rejected, why.clone())),
+                    );
+                }
+                plans.push((customer.clone(), plan));
+            }
+            plans.retain(|(customer, plan)| {
+                if !plan.has_writes() {
+                    pending.remove(customer);
+                }
+                plan.has_writes()
+            });
+            if plans.is_empty() {
+                break;
+            }
+
+            let mut conflicted: Vec<CustomerId> = Vec::new();
+            let mut stale: Vec<CustomerId> = Vec::new();
+
+            // Phase 1: fills, one unordered command for all customers.
+            let fillers: Vec<usize> = (0..plans.len()).filter(|&p| plans[p].1.fill.is_some()).collect();
+            let mut fill_ok: Vec<bool> = vec![true; plans.len()];
+            if !fillers.is_empty() {
+                let statements: Vec<Document> = fillers
+                    .iter()
+                    .map(|&p| {
+                        let fill = plans[p].1.fill.as_ref().expect("filtered");
+                        fill_statement(fill, &trades_of(events, &fill.events))
+                    })
+                    .collect();
+                let outcome = self.store.apply_fills(statements).await?;
+                stats.fills += fillers.len();
+                let mut failed: HashSet<usize> = HashSet::new();
+                for e in &outcome.errors {
+                    let p = fillers[e.index];
+                    failed.insert(p);
+                    fill_ok[p] = false;
+                    if e.is_duplicate_key() {
+                        conflicted.push(plans[p].0.clone());
+                    } else {
+                        let fill = plans[p].1.fill.as_ref().expect("filtered");
+                        reject_all(outcomes, &fill.events, &e.message);
+                        stale.push(plans[p].0.clone());
+                    }
+                }
+                let expected = (fillers.len() - failed.len()) as u64;
+                if outcome.matched != expected {
+                    // Some guard missed and the command does not say which:
+                    // treat every customer of it as stale.
+                    for &p in &fillers {
+                        if fill_ok[p] {
+                            fill_ok[p] = false;
+                            stale.push(plans[p].0.clone());
+                        }
+                    }
+                } else {
+                    for &p in &fillers {
+                        if fill_ok[p] {
+                            let fill = plans[p].1.fill.as_ref().expect("filtered");
+                            settle(outcomes, &fill.events, Outcome::Written);
+                        }
+                    }
+                }
+            }
+
+            // Phase 2: new buckets of customers whose fill (if any) held,
+            // in one ordered insert, customer by customer, chain in order.
+            let mut docs = Vec::new();
+            let mut owner: Vec<(usize, usize)> = Vec::new(); // (plan, bucket)
+            for (p, (_, plan)) in plans.iter().enumerate() {
+                if !fill_ok[p] {
+                    continue;
+                }
+                for (b, nb) in plan.new_buckets.iter().enumerate() {
+                    docs.push(bucket_document(nb, &trades_of(events, &nb.events)));
+                    owner.push((p, b));
+                }
+            }
+            let inserted_upto = if docs.is_empty() {
+                0
+            } else {
+                let total = docs.len();
+                let outcome = self.store.insert_buckets(docs).await?;
+                match outcome.failed {
+                    None => total,
+                    Some(e) => {
+                        let (p, b) = owner[e.index];
+                        if e.is_duplicate_key() {
+                            conflicted.push(plans[p].0.clone());
+                        } else {
+                            let nb = &plans[p].1.new_buckets[b];
+                            reject_all(outcomes, &nb.events, &e.message);
+                            stale.push(plans[p].0.clone());
+                        }
+                        // Later customers were not attempted: plan them again.
+                        for &(q, _) in &owner[e.index + 1..] {
+                            if q != p {
+                                stale.push(plans[q].0.clone());
+                            }
+                        }
+                        e.index
+                    }
+                }
+            };
+            for &(p, b) in &owner[..inserted_upto] {
+                let nb = &plans[p].1.new_buckets[b];
+                settle(outcomes, &nb.events, Outcome::Written);
+            }
+            stats.buckets_created += inserted_upto;
+
+            // Customers whose every operation held are done; the cache now
+            // holds their new newest bucket.
+            let unsettled: HashSet<&CustomerId> = conflicted.iter().chain(stale.iter()).collect();
+            for (p, (customer, plan)) in plans.iter().enumerate() {
+                if fill_ok[p] && !unsettled.contains(customer) {
+                    self.cache.put(customer.clone(), plan.after.clone());
+                    pending.remove(customer);
+                }
+            }
+            for customer in unsettled {
+                self.cache.pop(customer);
+            }
+            stats.conflicts += conflicted.len();
+            if !conflicted.is_empty() {
+                self.learn_stored_keys(events, outcomes, pending, &conflicted, elsewhere)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the newest bucket of every pending customer not in the cache.
+    async fn load_missing(
+        &mut self,
+        pending: &BTreeMap<CustomerId, Vec<usize>>,
+        stats: &mut WriteStats,
+    ) -> Result<(), StoreError> {
+        let missing: Vec<CustomerId> = pending
+            .keys()
+            .filter(|c| !self.cache.contains(*c))
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        stats.heads_loaded += missing.len();
+        for (customer, head) in self.store.load_heads(missing).await? {
+            self.cache.put(customer, head);
+        }
+        Ok(())
+    }
+
+    /// After a duplicate-key error: which of the conflicted customers'
+    /// keys are already stored? In one of their own buckets, the event is a
+    /// duplicate; in another customer's, the trade id is contested and the
+    /// event is dead-lettered.
+    async fn learn_stored_keys(
+        &mut self,
+        events: &[(Trade, Source)],
+        outcomes: &mut [Outcome],
+        pending: &BTreeMap<CustomerId, Vec<usize>>,
+        conflicted: &[CustomerId],
+        elsewhere: &mut HashMap<CustomerId, HashSet<String>>,
+    ) -> Result<(), StoreError> {
+        let mut owner_of: HashMap<&str, Vec<usize>> = HashMap::new();
+        for customer in conflicted {
+            for &i in pending.get(customer).map(Vec::as_slice).unwrap_or(&[]) {
+                if !outcomes[i].is_final() || outcomes[i] == Outcome::Written {
+                    owner_of.entry(events[i].0.key.as_str()).or_default().push(i);
+                }
+            }
+        }
+        let keys: Vec<String> = owner_of.keys().map(|k| k.to_string()).collect();
+        for (key, bucket_id) in self.store.find_keys(&keys).await? {
+            for &i in owner_of.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
+                let customer = &events[i].0.customer;
+                if bucket_id.starts_with(&id_prefix(customer)) {
+                    elsewhere.entry(customer.clone()).or_default().insert(key.clone());
+                } else if !outcomes[i].is_final() {
+                    outcomes[i] = Outcome::DeadLetter(Reject::new(
+                        RejectKind::TradeIdConflict,
+                        format!("trade {key} is already stored for another customer in {bucket_id}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn trades_of<'a>(events: &'a [(Trade, Source)], idx: &[usize]) -> Vec<&'a Trade> {
+    idx.iter().map(|&i| &events[i].0).collect()
+}
+
+/// Records a final outcome unless one is already known (a write we saw
+/// succeed stays `Written` when a later round finds it below the watermark).
+fn settle(outcomes: &mut [Outcome], idx: &[usize], outcome: Outcome) {
+    for &i in idx {
+        if !outcomes[i].is_final() {
+            outcomes[i] = outcome.clone();
+        }
+    }
+}
+
+fn reject_all(outcomes: &mut [Outcome], idx: &[usize], message: &str) {
+    settle(
+        outcomes,
+        idx,
+        Outcome::DeadLetter(Reject::new(
+            RejectKind::Rejected,
+            format!("MongoDB refused the bucket write: {message}"),
+        )),
+    );
+}

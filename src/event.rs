@@ -1,0 +1,618 @@
+//! The trade event: decoding and validating one Kafka payload (JSON) into a
+//! [`Trade`] ready to be stored. Pure: no I/O, every rejection typed.
+//!
+//! Money and quantities never pass through a binary float: the JSON text of
+//! a number is kept as written (`RawValue`) and parsed exactly into
+//! Decimal128 or an integer, as the MongoDB manual's monetary-data page asks.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use chrono::{DateTime, FixedOffset};
+use mongodb::bson::{self, Bson, Decimal128, Document};
+use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// Latest instant whose epoch seconds still have ten digits. Bucket `_id`s
+/// carry ten zero-padded digits so that string order is time order; a later
+/// date would break `sort({_id: 1})`.
+pub const MAX_EPOCH_SECONDS: i64 = 9_999_999_999;
+
+/// Why an event was rejected. The kind is the dead-letter header value and
+/// the metric label, so the set is closed and stable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectKind {
+    /// The payload is larger than `kafka.max_message_bytes`.
+    Oversize,
+    /// No payload at all (a tombstone or an empty message).
+    Empty,
+    /// The payload is not UTF-8.
+    NotUtf8,
+    /// The payload is not JSON.
+    NotJson,
+    /// The JSON is not an object.
+    NotObject,
+    /// The same field appears twice: which one was meant is unknowable.
+    DuplicateField,
+    /// A required field is absent.
+    MissingField,
+    /// A field has the wrong type or an out-of-range value.
+    InvalidField,
+    /// The trade id is already stored for another customer.
+    TradeIdConflict,
+    /// MongoDB refused the document permanently (validation, size).
+    Rejected,
+}
+
+impl RejectKind {
+    pub const ALL: [RejectKind; 10] = [
+        RejectKind::Oversize,
+        RejectKind::Empty,
+        RejectKind::NotUtf8,
+        RejectKind::NotJson,
+        RejectKind::NotObject,
+        RejectKind::DuplicateField,
+        RejectKind::MissingField,
+        RejectKind::InvalidField,
+        RejectKind::TradeIdConflict,
+        RejectKind::Rejected,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectKind::Oversize => "oversize",
+            RejectKind::Empty => "empty",
+            RejectKind::NotUtf8 => "not_utf8",
+            RejectKind::NotJson => "not_json",
+            RejectKind::NotObject => "not_object",
+            RejectKind::DuplicateField => "duplicate_field",
+            RejectKind::MissingField => "missing_field",
+            RejectKind::InvalidField => "invalid_field",
+            RejectKind::TradeIdConflict => "trade_id_conflict",
+            RejectKind::Rejected => "rejected_by_database",
+        }
+    }
+}
+
+impl fmt::Display for RejectKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A rejected event: the kind and a message naming the field and the rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct Reject {
+    pub kind: RejectKind,
+    pub message: String,
+}
+
+impl Reject {
+    pub fn new(kind: RejectKind, message: impl Into<String>) -> Self {
+        Reject {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+fn field_err(field: &str, rule: &str) -> Reject {
+    Reject::new(RejectKind::InvalidField, format!("{field}: {rule}"))
+}
+
+/// A customer's identity. Integers and strings are kept as they came (the
+/// stored `customerId` has the input's type), but both share one `_id`
+/// namespace: `123` and `"123"` are the same customer's pages.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CustomerId {
+    Int(i64),
+    Str(String),
+}
+
+impl CustomerId {
+    /// The `_id` prefix text (without the `_`).
+    pub fn id_text(&self) -> String {
+        match self {
+            CustomerId::Int(i) => i.to_string(),
+            CustomerId::Str(s) => s.clone(),
+        }
+    }
+
+    pub fn to_bson(&self) -> Bson {
+        match self {
+            CustomerId::Int(i) => Bson::Int64(*i),
+            CustomerId::Str(s) => Bson::String(s.clone()),
+        }
+    }
+
+    /// Parses the `--customer` argument of the CLI: digits are an integer id.
+    pub fn parse_cli(text: &str) -> Result<CustomerId, Reject> {
+        let id = match text.parse::<i64>() {
+            Ok(i) if i >= 0 && !text.starts_with('+') && !(text.len() > 1 && text.starts_with('0')) => {
+                CustomerId::Int(i)
+            }
+            _ => CustomerId::Str(text.to_string()),
+        };
+        validate_customer(&id)?;
+        Ok(id)
+    }
+}
+
+fn validate_customer(id: &CustomerId) -> Result<(), Reject> {
+    match id {
+        CustomerId::Int(i) if *i < 0 => Err(field_err("customerId", "must not be negative")),
+        CustomerId::Int(_) => Ok(()),
+        CustomerId::Str(s) => {
+            if s.is_empty() || s.len() > 64 {
+                return Err(field_err("customerId", "must have 1 to 64 characters"));
+            }
+            if !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+                // `_` in particular: it separates the customer from the time
+                // in a bucket `_id`, so allowing it would let one customer's
+                // page query match another's buckets.
+                return Err(field_err(
+                    "customerId",
+                    "may only contain A-Z, a-z, 0-9 and '-'",
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Where a message came from; the fallback identity of a trade without
+/// `tradeId` and the key of the applied-offset watermark.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Source {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl Source {
+    /// The watermark key of this source's partition. Field names in MongoDB
+    /// update paths may not contain '.', which topic names may; '~' is not
+    /// legal in topic names, so the mapping stays one-to-one.
+    pub fn partition_key(&self) -> String {
+        format!("{}:{}", self.topic.replace('.', "~"), self.partition)
+    }
+}
+
+/// A valid trade, ready to be appended to its customer's bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trade {
+    /// The dedup identity: `t:<tradeId>` or `o:<topic>/<partition>/<offset>`.
+    /// Stored as `history.key` under a unique index.
+    pub key: String,
+    pub customer: CustomerId,
+    pub ticker: String,
+    /// UTC milliseconds since the epoch.
+    pub date_ms: i64,
+    /// The history entry as stored (includes `key`).
+    pub doc: Document,
+}
+
+impl Trade {
+    pub fn epoch_seconds(&self) -> i64 {
+        self.date_ms.div_euclid(1000)
+    }
+}
+
+/// Fields the decoder derives; an input field of the same name would be
+/// ambiguous, so it is rejected rather than silently overwritten.
+const DERIVED_FIELDS: [&str; 2] = ["key", "offsetMinutes"];
+
+/// Decodes one payload. `max_bytes` is `kafka.max_message_bytes`.
+pub fn decode(payload: Option<&[u8]>, source: &Source, max_bytes: usize) -> Result<Trade, Reject> {
+    let bytes = match payload {
+        None => return Err(Reject::new(RejectKind::Empty, "message has no payload")),
+        Some(b) if b.is_empty() => return Err(Reject::new(RejectKind::Empty, "payload is empty")),
+        Some(b) => b,
+    };
+    if bytes.len() > max_bytes {
+        return Err(Reject::new(
+            RejectKind::Oversize,
+            format!("payload is {} bytes, limit is {max_bytes}", bytes.len()),
+        ));
+    }
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        Reject::new(
+            RejectKind::NotUtf8,
+            format!("payload is not UTF-8 ({e})"),
+        )
+    })?;
+    let fields = parse_object(text)?;
+
+    let mut trade_id: Option<(Bson, String)> = None;
+    let mut customer: Option<CustomerId> = None;
+    let mut side: Option<String> = None;
+    let mut ticker: Option<String> = None;
+    let mut qty: Option<Bson> = None;
+    let mut price: Option<Decimal128> = None;
+    let mut currency: Option<String> = None;
+    let mut date: Option<(i64, Option<i32>)> = None;
+    let mut extras = Document::new();
+
+    for (name, raw) in &fields {
+        let raw = raw.get();
+        match name.as_str() {
+            "tradeId" => trade_id = Some(parse_trade_id(raw)?),
+            "customerId" => customer = Some(parse_customer(raw)?),
+            "type" => side = Some(parse_side(raw)?),
+            "ticker" => ticker = Some(parse_ticker(raw)?),
+            "qty" | "quantity" => {
+                if qty.is_some() {
+                    return Err(Reject::new(
+                        RejectKind::DuplicateField,
+                        "both qty and quantity are present",
+                    ));
+                }
+                qty = Some(parse_qty(raw)?);
+            }
+            "price" => {
+                if raw != "null" {
+                    price = Some(parse_price(raw)?);
+                }
+            }
+            "currency" => {
+                if raw != "null" {
+                    currency = Some(parse_currency(raw)?);
+                }
+            }
+            "date" => date = Some(parse_date(raw)?),
+            other => {
+                if DERIVED_FIELDS.contains(&other) {
+                    return Err(field_err(other, "is reserved for a derived field"));
+                }
+                check_field_name(other)?;
+                let value: serde_json::Value = serde_json::from_str(raw)
+                    .map_err(|e| Reject::new(RejectKind::NotJson, e.to_string()))?;
+                check_nested_names(&value, other)?;
+                let value = Bson::try_from(value).map_err(|e| field_err(other, &e.to_string()))?;
+                extras.insert(other.to_string(), value);
+            }
+        }
+    }
+
+    let missing = |f: &str| Reject::new(RejectKind::MissingField, format!("{f} is required"));
+    let customer = customer.ok_or_else(|| missing("customerId"))?;
+    let side = side.ok_or_else(|| missing("type"))?;
+    let ticker = ticker.ok_or_else(|| missing("ticker"))?;
+    let qty = qty.ok_or_else(|| missing("qty"))?;
+    let (date_ms, offset_minutes) = date.ok_or_else(|| missing("date"))?;
+
+    let key = match &trade_id {
+        Some((_, text)) => format!("t:{text}"),
+        None => format!("o:{}/{}/{}", source.topic, source.partition, source.offset),
+    };
+
+    let mut doc = Document::new();
+    if let Some((value, _)) = trade_id {
+        doc.insert("tradeId", value);
+    }
+    doc.insert("type", side);
+    doc.insert("ticker", ticker.clone());
+    doc.insert("qty", qty);
+    if let Some(p) = price {
+        doc.insert("price", p);
+    }
+    if let Some(c) = currency {
+        doc.insert("currency", c);
+    }
+    doc.insert("date", bson::DateTime::from_millis(date_ms));
+    if let Some(minutes) = offset_minutes {
+        doc.insert("offsetMinutes", minutes);
+    }
+    doc.extend(extras);
+    doc.insert("key", key.clone());
+
+    Ok(Trade {
+        key,
+        customer,
+        ticker,
+        date_ms,
+        doc,
+    })
+}
+
+/// The top-level object as (name, raw JSON) pairs in input order, refusing
+/// duplicate names.
+fn parse_object(text: &str) -> Result<Vec<(String, &RawValue)>, Reject> {
+    struct Fields<'a>(Vec<(String, &'a RawValue)>);
+
+    impl<'de> Deserialize<'de> for Fields<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Fields<'de>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                    let mut out = Vec::new();
+                    let mut seen = HashSet::new();
+                    while let Some(name) = map.next_key::<String>()? {
+                        if !seen.insert(name.clone()) {
+                            return Err(serde::de::Error::custom(format!(
+                                "duplicate field {name:?}"
+                            )));
+                        }
+                        out.push((name, map.next_value::<&'de RawValue>()?));
+                    }
+                    Ok(Fields(out))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+
+    // A valid JSON value that is not an object reaches the visitor as the
+    // wrong type (a data error); anything unparseable is a syntax/EOF error.
+    match serde_json::from_str::<Fields<'_>>(text) {
+        Ok(f) => Ok(f.0),
+        Err(e) if e.is_data() && e.to_string().starts_with("duplicate field") => {
+            Err(Reject::new(RejectKind::DuplicateField, e.to_string()))
+        }
+        Err(e) if e.is_data() => Err(Reject::new(
+            RejectKind::NotObject,
+            format!("payload must be a JSON object ({e})"),
+        )),
+        Err(e) => Err(Reject::new(RejectKind::NotJson, e.to_string())),
+    }
+}
+
+fn parse_trade_id(raw: &str) -> Result<(Bson, String), Reject> {
+    match serde_json::from_str::<serde_json::Value>(raw) {
+        Ok(serde_json::Value::String(s)) => {
+            if s.is_empty() || s.chars().count() > 128 {
+                return Err(field_err("tradeId", "must have 1 to 128 characters"));
+            }
+            if s.chars().any(char::is_control) {
+                return Err(field_err("tradeId", "must not contain control characters"));
+            }
+            Ok((Bson::String(s.clone()), s))
+        }
+        Ok(serde_json::Value::Number(n)) => match n.as_i64() {
+            Some(i) if i >= 0 && is_json_integer(raw) => Ok((Bson::Int64(i), i.to_string())),
+            _ => Err(field_err(
+                "tradeId",
+                "must be a string or a non-negative integer",
+            )),
+        },
+        _ => Err(field_err(
+            "tradeId",
+            "must be a string or a non-negative integer",
+        )),
+    }
+}
+
+fn parse_customer(raw: &str) -> Result<CustomerId, Reject> {
+    let id = match serde_json::from_str::<serde_json::Value>(raw) {
+        Ok(serde_json::Value::String(s)) => CustomerId::Str(s),
+        Ok(serde_json::Value::Number(n)) if is_json_integer(raw) => match n.as_i64() {
+            Some(i) => CustomerId::Int(i),
+            None => {
+                return Err(field_err(
+                    "customerId",
+                    "integer is out of range (0 to 2^63-1)",
+                ))
+            }
+        },
+        _ => {
+            return Err(field_err(
+                "customerId",
+                "must be a non-negative integer or a string",
+            ))
+        }
+    };
+    validate_customer(&id)?;
+    Ok(id)
+}
+
+fn parse_side(raw: &str) -> Result<String, Reject> {
+    match serde_json::from_str::<String>(raw).as_deref() {
+        Ok("buy") => Ok("buy".to_string()),
+        Ok("sell") => Ok("sell".to_string()),
+        _ => Err(field_err("type", "must be \"buy\" or \"sell\"")),
+    }
+}
+
+fn parse_ticker(raw: &str) -> Result<String, Reject> {
+    let s = serde_json::from_str::<String>(raw).map_err(|_| field_err("ticker", "must be a string"))?;
+    if s.is_empty()
+        || s.len() > 16
+        || !s
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
+    {
+        return Err(field_err("ticker", "must be 1 to 16 of A-Z, 0-9, '.' and '-'"));
+    }
+    Ok(s)
+}
+
+fn parse_currency(raw: &str) -> Result<String, Reject> {
+    let s = serde_json::from_str::<String>(raw)
+        .map_err(|_| field_err("currency", "must be a string"))?;
+    if s.len() != 3 || !s.bytes().all(|b| b.is_ascii_uppercase()) {
+        return Err(field_err("currency", "must be three letters A-Z (ISO 4217)"));
+    }
+    Ok(s)
+}
+
+/// JSON number grammar (RFC 8259): what both `price` strings and numbers
+/// must look like. Rules out NaN, Infinity, hex, '+', spaces and ".5".
+fn is_json_number(s: &str) -> bool {
+    let b = s.as_bytes();
+    let mut i = 0;
+    if b.get(i) == Some(&b'-') {
+        i += 1;
+    }
+    match b.get(i) {
+        Some(b'0') => i += 1,
+        Some(c) if c.is_ascii_digit() => {
+            while b.get(i).is_some_and(u8::is_ascii_digit) {
+                i += 1;
+            }
+        }
+        _ => return false,
+    }
+    if b.get(i) == Some(&b'.') {
+        i += 1;
+        let start = i;
+        while b.get(i).is_some_and(u8::is_ascii_digit) {
+            i += 1;
+        }
+        if i == start {
+            return false;
+        }
+    }
+    if matches!(b.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(b.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        let start = i;
+        while b.get(i).is_some_and(u8::is_ascii_digit) {
+            i += 1;
+        }
+        if i == start {
+            return false;
+        }
+    }
+    i == b.len()
+}
+
+fn is_json_integer(raw: &str) -> bool {
+    is_json_number(raw) && !raw.contains(['.', 'e', 'E'])
+}
+
+/// The decimal text of a number given as a JSON number or a JSON string.
+fn decimal_text(raw: &str, field: &str) -> Result<String, Reject> {
+    let text = if raw.starts_with('"') {
+        serde_json::from_str::<String>(raw).map_err(|_| field_err(field, "is not a valid string"))?
+    } else {
+        raw.to_string()
+    };
+    if !is_json_number(&text) {
+        return Err(field_err(
+            field,
+            "must be a finite decimal number (no NaN, Infinity or exponent-only forms)",
+        ));
+    }
+    Ok(text)
+}
+
+/// Exactly into Decimal128: more than 34 significant digits, or an exponent
+/// out of range, is an error rather than a rounding.
+fn exact_decimal(text: &str, field: &str) -> Result<Decimal128, Reject> {
+    text.parse::<Decimal128>().map_err(|e| {
+        field_err(
+            field,
+            &format!("cannot be represented exactly as Decimal128 ({e}; at most 34 significant digits)"),
+        )
+    })
+}
+
+/// Whether the mantissa has a non-zero digit, so "-0.00" is zero, not negative.
+fn mantissa_nonzero(text: &str) -> bool {
+    let mantissa = text.split(['e', 'E']).next().unwrap_or("");
+    mantissa.bytes().any(|b| (b'1'..=b'9').contains(&b))
+}
+
+fn parse_price(raw: &str) -> Result<Decimal128, Reject> {
+    let text = decimal_text(raw, "price")?;
+    if text.starts_with('-') && mantissa_nonzero(&text) {
+        return Err(field_err("price", "must not be negative"));
+    }
+    exact_decimal(&text, "price")
+}
+
+/// `qty`: an integer is stored as Int64, a fraction as Decimal128; either
+/// way exact, and strictly positive.
+fn parse_qty(raw: &str) -> Result<Bson, Reject> {
+    let text = decimal_text(raw, "qty")?;
+    if text.starts_with('-') || !mantissa_nonzero(&text) {
+        return Err(field_err("qty", "must be positive"));
+    }
+    if is_json_integer(&text) {
+        return text
+            .parse::<i64>()
+            .map(Bson::Int64)
+            .map_err(|_| field_err("qty", "integer is out of range"));
+    }
+    exact_decimal(&text, "qty").map(Bson::Decimal128)
+}
+
+/// RFC 3339 with `Z` or an offset, or epoch milliseconds. Returns UTC
+/// milliseconds and, for a non-UTC offset, that offset in minutes east of
+/// UTC (the manual's time-data page: keep the offset to rebuild local time).
+fn parse_date(raw: &str) -> Result<(i64, Option<i32>), Reject> {
+    let range_err = || {
+        field_err(
+            "date",
+            "must be between 1970-01-01T00:00:00Z and 2286-11-20T17:46:39Z",
+        )
+    };
+    let (ms, offset) = if raw.starts_with('"') {
+        let s = serde_json::from_str::<String>(raw).map_err(|_| field_err("date", "is not a valid string"))?;
+        let dt: DateTime<FixedOffset> = DateTime::parse_from_rfc3339(&s).map_err(|e| {
+            field_err(
+                "date",
+                &format!("must be RFC 3339 with Z or an offset, e.g. 2023-10-26T15:47:03.434Z ({e})"),
+            )
+        })?;
+        let offset_secs = dt.offset().local_minus_utc();
+        if offset_secs % 60 != 0 {
+            return Err(field_err("date", "offset must be whole minutes"));
+        }
+        let offset = (offset_secs != 0).then_some(offset_secs / 60);
+        (dt.timestamp_millis(), offset)
+    } else if is_json_integer(raw) {
+        (raw.parse::<i64>().map_err(|_| range_err())?, None)
+    } else {
+        return Err(field_err(
+            "date",
+            "must be an RFC 3339 string or integer epoch milliseconds",
+        ));
+    };
+    if !(0..=MAX_EPOCH_SECONDS * 1000 + 999).contains(&ms) {
+        return Err(range_err());
+    }
+    Ok((ms, offset))
+}
+
+/// MongoDB cannot take `$`-prefixed or dotted names inside an update's
+/// pushed values portably; reject rather than store something unqueryable.
+fn check_field_name(name: &str) -> Result<(), Reject> {
+    if name.is_empty() || name.starts_with('$') || name.contains('.') || name.contains('\0') {
+        return Err(field_err(
+            &format!("{name:?}"),
+            "field names must be non-empty and contain no '$' prefix, '.' or NUL",
+        ));
+    }
+    Ok(())
+}
+
+fn check_nested_names(value: &serde_json::Value, path: &str) -> Result<(), Reject> {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (k, v) in map {
+                check_field_name(k).map_err(|_| {
+                    field_err(
+                        &format!("{path}.{k}"),
+                        "field names must be non-empty and contain no '$' prefix, '.' or NUL",
+                    )
+                })?;
+                check_nested_names(v, &format!("{path}.{k}"))?;
+            }
+            Ok(())
+        }
+        serde_json::Value::Array(items) => items.iter().try_for_each(|v| check_nested_names(v, path)),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,4 @@
+pub mod bucket;
+pub mod config;
+pub mod event;
+pub mod offsets;

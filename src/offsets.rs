@@ -1,0 +1,195 @@
+//! Offset tracking: which offset each partition may commit. Pure.
+//!
+//! A partition may commit only the contiguous prefix of consumed offsets
+//! whose events are durably handled (written, already stored, or
+//! dead-lettered). A later success never lets the commit jump over an
+//! earlier event still in flight: that is the bug to avoid (vector#24215).
+//!
+//! Committed values follow Kafka's convention: the offset of the *next*
+//! message to read, i.e. last handled offset + 1.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A topic and partition.
+pub type TopicPartition = (String, i32);
+
+#[derive(Debug, Default, Clone)]
+struct Track {
+    /// Consumed but not yet handled.
+    in_flight: BTreeSet<i64>,
+    /// Highest offset consumed so far.
+    highest: Option<i64>,
+    /// The last value handed out for commit.
+    committed: Option<i64>,
+}
+
+impl Track {
+    /// The next offset to read after the contiguous handled prefix, if
+    /// anything at all has been handled since `start`.
+    fn next(&self, start: i64) -> Option<i64> {
+        let next = match self.in_flight.first() {
+            // Everything below the oldest in-flight offset is handled; the
+            // oldest in-flight one is where a restart must resume.
+            Some(&oldest) => oldest,
+            None => self.highest? + 1,
+        };
+        (next > start).then_some(next)
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct OffsetTracker {
+    parts: BTreeMap<TopicPartition, Track>,
+    /// The first offset consumed per partition since assignment: the commit
+    /// never needs to name anything at or below it until it advances.
+    start: BTreeMap<TopicPartition, i64>,
+}
+
+impl OffsetTracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A message was consumed and is now in flight.
+    pub fn consumed(&mut self, tp: &TopicPartition, offset: i64) {
+        let t = self.parts.entry(tp.clone()).or_default();
+        t.in_flight.insert(offset);
+        t.highest = Some(t.highest.map_or(offset, |h| h.max(offset)));
+        self.start.entry(tp.clone()).or_insert(offset);
+    }
+
+    /// The message's event is durably handled.
+    pub fn handled(&mut self, tp: &TopicPartition, offset: i64) {
+        if let Some(t) = self.parts.get_mut(tp) {
+            t.in_flight.remove(&offset);
+        }
+    }
+
+    /// The partition was revoked (or its buffered messages dropped): forget
+    /// it; the next owner resumes from the last commit.
+    pub fn forget(&mut self, tp: &TopicPartition) {
+        self.parts.remove(tp);
+        self.start.remove(tp);
+    }
+
+    pub fn forget_all(&mut self) {
+        self.parts.clear();
+        self.start.clear();
+    }
+
+    /// Offsets (next to read) that advanced since the last call, per
+    /// partition, and marks them as handed out.
+    pub fn take_commits(&mut self) -> Vec<(TopicPartition, i64)> {
+        let mut out = Vec::new();
+        for (tp, t) in self.parts.iter_mut() {
+            let start = self.start.get(tp).copied().unwrap_or(i64::MIN);
+            if let Some(next) = t.next(start) {
+                if t.committed.is_none_or(|c| next > c) {
+                    t.committed = Some(next);
+                    out.push((tp.clone(), next));
+                }
+            }
+        }
+        out
+    }
+
+    /// The offset a commit right now would name, without handing it out.
+    pub fn committable(&self, tp: &TopicPartition) -> Option<i64> {
+        let start = self.start.get(tp).copied().unwrap_or(i64::MIN);
+        self.parts.get(tp)?.next(start)
+    }
+
+    /// Events consumed and not yet handled, over all partitions.
+    pub fn in_flight(&self) -> usize {
+        self.parts.values().map(|t| t.in_flight.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn tp(p: i32) -> TopicPartition {
+        ("t".to_string(), p)
+    }
+
+    #[test]
+    fn commits_the_next_offset_after_the_contiguous_prefix() {
+        let mut t = OffsetTracker::new();
+        for o in 10..15 {
+            t.consumed(&tp(0), o);
+        }
+        assert!(t.take_commits().is_empty(), "nothing handled yet");
+        t.handled(&tp(0), 10);
+        t.handled(&tp(0), 12); // a later success...
+        assert_eq!(t.take_commits(), vec![(tp(0), 11)], "...does not skip 11");
+        t.handled(&tp(0), 11);
+        assert_eq!(t.take_commits(), vec![(tp(0), 13)]);
+        t.handled(&tp(0), 13);
+        t.handled(&tp(0), 14);
+        assert_eq!(t.take_commits(), vec![(tp(0), 15)], "offset + 1 convention");
+        assert!(t.take_commits().is_empty(), "nothing new to commit");
+    }
+
+    #[test]
+    fn gaps_in_offsets_are_not_waited_for() {
+        // Compaction and transaction markers leave holes; only consumed
+        // offsets count.
+        let mut t = OffsetTracker::new();
+        for o in [3, 7, 20] {
+            t.consumed(&tp(1), o);
+            t.handled(&tp(1), o);
+        }
+        assert_eq!(t.take_commits(), vec![(tp(1), 21)]);
+    }
+
+    #[test]
+    fn partitions_are_independent_and_forgettable() {
+        let mut t = OffsetTracker::new();
+        t.consumed(&tp(0), 0);
+        t.consumed(&tp(1), 0);
+        t.handled(&tp(1), 0);
+        assert_eq!(t.take_commits(), vec![(tp(1), 1)]);
+        assert_eq!(t.in_flight(), 1);
+        t.forget(&tp(0));
+        assert_eq!(t.in_flight(), 0);
+        t.handled(&tp(0), 0); // late completion after revoke: ignored
+        assert!(t.take_commits().is_empty());
+    }
+
+    proptest! {
+        /// Whatever order events complete in, the commit is always exactly
+        /// the first unhandled consumed offset (or last + 1), and never
+        /// moves backwards.
+        #[test]
+        fn commit_is_the_contiguous_prefix(
+            n in 1usize..60,
+            order in proptest::collection::vec(any::<proptest::sample::Index>(), 0..60),
+            gaps in proptest::collection::vec(1i64..4, 60),
+        ) {
+            let offsets: Vec<i64> = gaps.iter().take(n).scan(100i64, |acc, g| { *acc += g; Some(*acc) }).collect();
+            let mut t = OffsetTracker::new();
+            for &o in &offsets { t.consumed(&tp(0), o); }
+            let mut handled = vec![false; n];
+            let mut last = None;
+            for ix in order {
+                let i = ix.index(n);
+                handled[i] = true;
+                t.handled(&tp(0), offsets[i]);
+                let expected = match handled.iter().position(|h| !h) {
+                    Some(0) => None,
+                    Some(first) => Some(offsets[first]),
+                    None => Some(offsets[n - 1] + 1),
+                };
+                let got = t.take_commits().first().map(|(_, o)| *o);
+                if expected != last {
+                    prop_assert_eq!(got, expected);
+                    last = expected;
+                } else {
+                    prop_assert_eq!(got, None);
+                }
+            }
+        }
+    }
+}
