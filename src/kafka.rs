@@ -6,8 +6,9 @@
 //! to read (last handled + 1, Kafka's convention) and commits it. The
 //! rebalance callback runs inside `recv()` on the pipeline's own task, so it
 //! never races a batch being written: between batches nothing is in flight
-//! but the unwritten buffer, which the pipeline drops for revoked
-//! partitions.
+//! but the unwritten buffer, which the pipeline still writes (see
+//! `Pipeline::apply_revocations` for why) but commits only for partitions
+//! it still owns.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

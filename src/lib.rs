@@ -1,4 +1,26 @@
+//! tradebucket: trade events from Kafka into per-customer, count-capped
+//! MongoDB bucket documents, exactly once in effect.
+//!
+//! - [`config`]: layered settings and their validation.
+//! - [`event`]: decoding one Kafka payload into a [`event::Trade`] (pure).
+//! - [`bucket`]: planning appends (pure), the MongoDB store, and the writer
+//!   that executes plans and resolves conflicts.
+//! - [`offsets`]: the contiguous committable prefix per partition (pure).
+//! - [`kafka`]: the group consumer and the dead-letter producer.
+//! - [`pipeline`]: the worker loop and its health state.
+//! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`metrics`]: every metric, defined once.
+//! - [`cli`]: the operator commands besides `run` (init, page, audit,
+//!   produce, check-config).
+//!
+//! `docs/design.md` explains why the guarantees hold.
+
 pub mod bucket;
+pub mod cli;
 pub mod config;
 pub mod event;
+pub mod http;
+pub mod kafka;
+pub mod metrics;
 pub mod offsets;
+pub mod pipeline;

@@ -1,1 +1,221 @@
-fn main() {}
+//! The `tradebucket` binary: flags, logging, config, signals. Everything
+//! else lives in the library.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+use tradebucket::cli::{self, ProduceOptions};
+use tradebucket::config::Settings;
+use tradebucket::event::CustomerId;
+use tradebucket::pipeline;
+
+/// sysexits EX_USAGE: what operators' tooling expects for bad configuration.
+const EXIT_CONFIG: u8 = 64;
+
+#[derive(Parser)]
+#[command(version, about = "Kafka trade events into per-customer MongoDB bucket documents, exactly once")]
+struct Cli {
+    /// A TOML file overriding config/default.toml (env TRADEBUCKET__* overrides both).
+    #[arg(long, global = true, env = "TRADEBUCKET_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the worker until SIGTERM/SIGINT.
+    Run,
+    /// Create the MongoDB indexes (idempotent; `run` does it too).
+    Init {
+        /// Also create the source and dead-letter topics that are missing,
+        /// with this many partitions.
+        #[arg(long)]
+        create_topics: Option<i32>,
+    },
+    /// Print page N of a customer's trade history as JSON.
+    Page {
+        #[arg(long)]
+        customer: String,
+        #[arg(long, default_value_t = 1)]
+        page: u64,
+    },
+    /// Check the bucket invariants; exits 1 on any violation.
+    Audit {
+        #[arg(long)]
+        customer: Option<String>,
+    },
+    /// Produce synthetic trade events (demo and load).
+    Produce {
+        /// Topic; defaults to the first of kafka.topics.
+        #[arg(long)]
+        topic: Option<String>,
+        #[arg(long, default_value_t = 1000)]
+        count: u64,
+        #[arg(long, default_value_t = 100)]
+        customers: u64,
+        /// Give a few customers most of the trades.
+        #[arg(long)]
+        skewed: bool,
+        /// Number of distinct tickers (1-20).
+        #[arg(long, default_value_t = 8)]
+        tickers: usize,
+        /// Events per second; 0 means as fast as possible.
+        #[arg(long, default_value_t = 0)]
+        rate: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Do not key messages by customer (customers spread over partitions).
+        #[arg(long)]
+        no_keys: bool,
+        /// Number of the first trade id, to continue an earlier run.
+        #[arg(long, default_value_t = 0)]
+        first_id: u64,
+    },
+    /// Print the effective configuration (secrets redacted); exits 64 if invalid.
+    CheckConfig,
+}
+
+fn init_logging(settings: &Settings) {
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(format!("{},rdkafka=warn", settings.log.level)));
+    let json = match settings.log.format.as_str() {
+        "json" => true,
+        "text" => false,
+        _ => !std::io::stderr().is_terminal(),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn shutdown_signal(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested: draining");
+    token.cancel();
+}
+
+fn parse_customer(text: &str) -> Result<CustomerId, ExitCode> {
+    CustomerId::parse_cli(text).map_err(|e| {
+        eprintln!("invalid --customer: {e}");
+        ExitCode::from(EXIT_CONFIG)
+    })
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Cli::parse();
+    let settings = match Settings::load(args.config.as_deref()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("tradebucket: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    if let Command::CheckConfig = args.command {
+        print!("{}", settings.redacted_toml());
+        return ExitCode::SUCCESS;
+    }
+    init_logging(&settings);
+    match execute(args.command, settings).await {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!(error = %pipeline::error_chain(e.as_ref()), "failed");
+            eprintln!("tradebucket: {}", pipeline::error_chain(e.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Run => {
+            tracing::info!(config = %settings.redacted_toml().replace('\n', " "), "starting");
+            let token = CancellationToken::new();
+            tokio::spawn(shutdown_signal(token.clone()));
+            pipeline::run(settings, token).await?;
+        }
+        Command::Init { create_topics } => {
+            let created = cli::init(&settings, create_topics).await?;
+            println!("indexes ready");
+            for t in created {
+                println!("created topic {t}");
+            }
+        }
+        Command::Page { customer, page } => {
+            let customer = match parse_customer(&customer) {
+                Ok(c) => c,
+                Err(code) => return Ok(code),
+            };
+            match cli::page(&settings, &customer, page).await? {
+                Some(doc) => println!("{}", serde_json::to_string_pretty(&doc)?),
+                None => {
+                    eprintln!("customer {} has no page {page}", customer.id_text());
+                    return Ok(ExitCode::FAILURE);
+                }
+            }
+        }
+        Command::Audit { customer } => {
+            let customer = match customer.map(|c| parse_customer(&c)).transpose() {
+                Ok(c) => c,
+                Err(code) => return Ok(code),
+            };
+            let report = cli::audit(&settings, customer.as_ref()).await?;
+            println!(
+                "audit: {} customers, {} buckets, {} trades, {} violations",
+                report.customers,
+                report.buckets,
+                report.trades,
+                report.violations.len()
+            );
+            for v in &report.violations {
+                println!("violation: {v}");
+            }
+            if !report.violations.is_empty() {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        Command::Produce { topic, count, customers, skewed, tickers, rate, seed, no_keys, first_id } => {
+            let opts = ProduceOptions {
+                topic: topic.unwrap_or_else(|| settings.kafka.topics[0].clone()),
+                count,
+                customers,
+                skewed,
+                tickers,
+                rate,
+                seed,
+                keyed: !no_keys,
+                first_id,
+            };
+            let (sent, secs) = cli::produce(&settings, &opts, std::io::stderr().is_terminal()).await?;
+            println!(
+                "produced {sent} trades for {customers} customers to {} in {secs:.2} s ({:.0} events/s)",
+                opts.topic,
+                sent as f64 / secs.max(1e-9)
+            );
+        }
+        Command::CheckConfig => unreachable!("handled before logging starts"),
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -72,9 +72,10 @@ impl OffsetTracker {
         self.start.remove(tp);
     }
 
-    pub fn forget_all(&mut self) {
-        self.parts.clear();
-        self.start.clear();
+    /// Keeps only the partitions `keep` accepts (the current assignment).
+    pub fn retain(&mut self, mut keep: impl FnMut(&TopicPartition) -> bool) {
+        self.parts.retain(|tp, _| keep(tp));
+        self.start.retain(|tp, _| keep(tp));
     }
 
     /// Offsets (next to read) that advanced since the last call, per

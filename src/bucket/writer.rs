@@ -16,6 +16,7 @@ use mongodb::bson::Document;
 use super::plan::{id_prefix, plan_customer, BucketHead, CustomerPlan, Event};
 use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
+use crate::metrics::Metrics;
 
 /// A conflict is resolved by one reload; this many rounds without progress
 /// means something keeps writing the same customers (a zombie that will not
@@ -57,15 +58,24 @@ pub struct BucketWriter {
     store: BucketStore,
     capacity: u32,
     cache: LruCache<CustomerId, Option<BucketHead>>,
+    metrics: Metrics,
 }
 
 impl BucketWriter {
-    pub fn new(store: BucketStore, capacity: u32, cache_customers: usize) -> Self {
+    pub fn new(store: BucketStore, capacity: u32, cache_customers: usize, metrics: Metrics) -> Self {
         BucketWriter {
             store,
             capacity,
             cache: LruCache::new(NonZeroUsize::new(cache_customers.max(1)).expect("max(1)")),
+            metrics,
         }
+    }
+
+    fn timer(&self, operation: &str) -> prometheus::HistogramTimer {
+        self.metrics
+            .mongodb_write_duration
+            .with_label_values(&[operation])
+            .start_timer()
     }
 
     pub fn store(&self) -> &BucketStore {
@@ -180,7 +190,9 @@ impl BucketWriter {
                         fill_statement(fill, &trades_of(events, &fill.events))
                     })
                     .collect();
+                let timer = self.timer("fill");
                 let outcome = self.store.apply_fills(statements).await?;
+                timer.observe_duration();
                 stats.fills += fillers.len();
                 let mut failed: HashSet<usize> = HashSet::new();
                 for e in &outcome.errors {
@@ -232,7 +244,9 @@ impl BucketWriter {
                 0
             } else {
                 let total = docs.len();
+                let timer = self.timer("insert");
                 let outcome = self.store.insert_buckets(docs).await?;
+                timer.observe_duration();
                 match outcome.failed {
                     None => total,
                     Some(e) => {
@@ -296,7 +310,10 @@ impl BucketWriter {
             return Ok(());
         }
         stats.heads_loaded += missing.len();
-        for (customer, head) in self.store.load_heads(missing).await? {
+        let timer = self.timer("load");
+        let heads = self.store.load_heads(missing).await?;
+        timer.observe_duration();
+        for (customer, head) in heads {
             self.cache.put(customer, head);
         }
         Ok(())
@@ -323,7 +340,10 @@ impl BucketWriter {
             }
         }
         let keys: Vec<String> = owner_of.keys().map(|k| k.to_string()).collect();
-        for (key, bucket_id) in self.store.find_keys(&keys).await? {
+        let timer = self.timer("find_keys");
+        let found = self.store.find_keys(&keys).await?;
+        timer.observe_duration();
+        for (key, bucket_id) in found {
             for &i in owner_of.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
                 let customer = &events[i].0.customer;
                 if bucket_id.starts_with(&id_prefix(customer)) {

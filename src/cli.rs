@@ -1,0 +1,332 @@
+//! Operator commands other than `run`: `init`, `page`, `audit`, `produce`.
+//! Each takes settings and returns a typed result; `main` prints and picks
+//! the exit code.
+
+use std::collections::{BTreeSet, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::stream::FuturesUnordered;
+use futures::{StreamExt, TryStreamExt};
+use mongodb::bson::{doc, Bson, Document};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
+
+use crate::bucket::plan::parse_bucket_id;
+use crate::bucket::store::{prefix_range, BucketStore, StoreError};
+use crate::config::Settings;
+use crate::event::CustomerId;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("Kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl From<mongodb::error::Error> for CliError {
+    fn from(e: mongodb::error::Error) -> Self {
+        CliError::Store(StoreError::Transient(e))
+    }
+}
+
+fn admin_config(settings: &Settings) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &settings.kafka.brokers);
+    for (k, v) in &settings.kafka.options {
+        c.set(k, v);
+    }
+    c
+}
+
+/// Creates the indexes; with `partitions`, also the source and dead-letter
+/// topics that do not exist yet.
+pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<Vec<String>, CliError> {
+    let store = BucketStore::connect(&settings.mongodb).await?;
+    store.init().await?;
+    let mut created = Vec::new();
+    if let Some(partitions) = partitions {
+        let admin: AdminClient<DefaultClientContext> = admin_config(settings).create()?;
+        let mut names: BTreeSet<String> = settings.kafka.topics.iter().cloned().collect();
+        for t in &settings.kafka.topics {
+            names.insert(settings.dlq_topic_for(t));
+        }
+        let topics: Vec<NewTopic<'_>> = names
+            .iter()
+            .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(-1)))
+            .collect();
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        for result in admin.create_topics(&topics, &options).await? {
+            match result {
+                Ok(name) => created.push(name),
+                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code)) => {
+                    return Err(CliError::Usage(format!("cannot create topic {name}: {code}")))
+                }
+            }
+        }
+    }
+    Ok(created)
+}
+
+/// Page `n` of a customer's history, as relaxed extended JSON.
+pub async fn page(settings: &Settings, customer: &CustomerId, n: u64) -> Result<Option<serde_json::Value>, CliError> {
+    if n == 0 {
+        return Err(CliError::Usage("pages are numbered from 1".into()));
+    }
+    let store = BucketStore::connect(&settings.mongodb).await?;
+    Ok(store
+        .page(customer, n)
+        .await?
+        .map(|d| Bson::Document(d).into_relaxed_extjson()))
+}
+
+/// What `audit` found.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct AuditReport {
+    pub customers: u64,
+    pub buckets: u64,
+    pub trades: u64,
+    pub violations: Vec<String>,
+}
+
+/// Checks the bucket invariants over the collection (or one customer):
+/// `_id` form and order, `prev` chain, `count == len(history) <= capacity`,
+/// every bucket but the newest full, each trade key stored once, `tickers`
+/// equal to the distinct tickers of `history`.
+pub async fn audit(
+    settings: &Settings,
+    customer: Option<&CustomerId>,
+) -> Result<AuditReport, CliError> {
+    const MAX_LISTED: usize = 100;
+    let store = BucketStore::connect(&settings.mongodb).await?;
+    let capacity = u64::from(settings.buckets.capacity);
+    let filter = customer.map(prefix_range).unwrap_or_default();
+    let mut cursor = store
+        .collection()
+        .find(filter)
+        .sort(doc! {"_id": 1})
+        .projection(doc! {"count": 1, "prev": 1, "customerId": 1, "tickers": 1, "history.key": 1, "history.ticker": 1})
+        .await?;
+    let mut report = AuditReport::default();
+    let mut keys: HashSet<String> = HashSet::new();
+    // The current customer's prefix, its last bucket's id and count.
+    let mut current: Option<(String, String, u64)> = None;
+    let violation = |report: &mut AuditReport, v: String| {
+        if report.violations.len() < MAX_LISTED {
+            report.violations.push(v);
+        } else if report.violations.len() == MAX_LISTED {
+            report.violations.push("... (further violations not listed)".into());
+        }
+    };
+    while let Some(d) = cursor.try_next().await? {
+        report.buckets += 1;
+        let id = match d.get("_id") {
+            Some(Bson::String(s)) => s.clone(),
+            other => {
+                violation(&mut report, format!("bucket with non-string _id {other:?}"));
+                continue;
+            }
+        };
+        let Some((prefix, _)) = id.split_once('_') else {
+            violation(&mut report, format!("{id}: _id is not <customer>_<seconds>"));
+            continue;
+        };
+        let prefix = format!("{prefix}_");
+        if parse_bucket_id(&prefix, &id).is_none() {
+            violation(&mut report, format!("{id}: _id is not <customer>_<10-digit seconds>[_<6-digit suffix>]"));
+        }
+        let customer_text = match d.get("customerId") {
+            Some(Bson::Int64(i)) => i.to_string(),
+            Some(Bson::Int32(i)) => i.to_string(),
+            Some(Bson::String(s)) => s.clone(),
+            other => format!("{other:?}"),
+        };
+        if format!("{customer_text}_") != prefix {
+            violation(&mut report, format!("{id}: customerId {customer_text} does not match the _id"));
+        }
+        let history: Vec<&Document> = d
+            .get_array("history")
+            .map(|a| a.iter().filter_map(Bson::as_document).collect())
+            .unwrap_or_default();
+        let count = match d.get("count") {
+            Some(Bson::Int64(n)) => *n as u64,
+            Some(Bson::Int32(n)) => *n as u64,
+            _ => u64::MAX,
+        };
+        if count != history.len() as u64 {
+            violation(&mut report, format!("{id}: count {count} but {} trades in history", history.len()));
+        }
+        if history.is_empty() || history.len() as u64 > capacity {
+            violation(&mut report, format!("{id}: {} trades, capacity is {capacity}", history.len()));
+        }
+        report.trades += history.len() as u64;
+        let mut tickers = BTreeSet::new();
+        for h in &history {
+            match h.get_str("key") {
+                Ok(k) => {
+                    if !keys.insert(k.to_string()) {
+                        violation(&mut report, format!("{id}: trade {k} is stored more than once"));
+                    }
+                }
+                Err(_) => violation(&mut report, format!("{id}: a trade has no key")),
+            }
+            if let Ok(t) = h.get_str("ticker") {
+                tickers.insert(t.to_string());
+            }
+        }
+        let stored: BTreeSet<String> = d
+            .get_array("tickers")
+            .map(|a| a.iter().filter_map(|t| t.as_str().map(str::to_string)).collect())
+            .unwrap_or_default();
+        if stored != tickers {
+            violation(&mut report, format!("{id}: tickers {stored:?} but history has {tickers:?}"));
+        }
+        let prev = d.get_str("prev").unwrap_or("<missing>").to_string();
+        match &current {
+            Some((p, last_id, last_count)) if *p == prefix => {
+                if *last_count != capacity {
+                    violation(&mut report, format!("{last_id}: holds {last_count} trades but is not the newest bucket"));
+                }
+                if prev != *last_id {
+                    violation(&mut report, format!("{id}: prev is {prev}, expected {last_id}"));
+                }
+            }
+            _ => {
+                report.customers += 1;
+                if prev != prefix {
+                    violation(&mut report, format!("{id}: first bucket of its customer but prev is {prev}"));
+                }
+            }
+        }
+        current = Some((prefix, id, history.len() as u64));
+    }
+    Ok(report)
+}
+
+/// What `produce` generates.
+#[derive(Debug, Clone)]
+pub struct ProduceOptions {
+    pub topic: String,
+    pub count: u64,
+    pub customers: u64,
+    /// Zipf-like skew: a few customers get most trades.
+    pub skewed: bool,
+    pub tickers: usize,
+    /// Events per second; 0 is as fast as the broker takes them.
+    pub rate: u64,
+    pub seed: u64,
+    /// Key messages by customer (the friendly default).
+    pub keyed: bool,
+    /// First trade id number, so runs can append without reusing ids.
+    pub first_id: u64,
+}
+
+const TICKERS: [&str; 20] = [
+    "MDB", "MSFT", "GOOG", "AAPL", "AMZN", "NVDA", "META", "TSLA", "ORCL", "IBM", "INTC", "AMD",
+    "CRM", "ADBE", "NFLX", "CSCO", "SAP", "ASML", "BRK.B", "RDS-A",
+];
+
+/// One synthetic, valid trade event as JSON, and its customer.
+pub fn synthetic_event(rng: &mut StdRng, n: u64, opts: &ProduceOptions, base_ms: i64) -> (String, String) {
+    let customer = if opts.skewed {
+        // Squaring a uniform draw piles mass on low ids: roughly 30% of
+        // trades go to the first 10% of customers.
+        let u: f64 = rng.random();
+        ((u * u) * opts.customers as f64) as u64
+    } else {
+        rng.random_range(0..opts.customers.max(1))
+    };
+    let ticker = TICKERS[rng.random_range(0..opts.tickers.clamp(1, TICKERS.len()))];
+    let side = if rng.random_bool(0.5) { "buy" } else { "sell" };
+    let qty: u32 = rng.random_range(1..1000);
+    let cents: u32 = rng.random_range(100..100_000);
+    // Monotonic in n, so a customer's trades are in time order.
+    let date = base_ms + (n as i64) * 3;
+    let json = serde_json::json!({
+        "tradeId": format!("G{}-{}", opts.seed, opts.first_id + n),
+        "customerId": customer,
+        "type": side,
+        "ticker": ticker,
+        "qty": qty,
+        "price": format!("{}.{:02}", cents / 100, cents % 100),
+        "currency": "USD",
+        "date": date,
+    });
+    (json.to_string(), customer.to_string())
+}
+
+/// Produces synthetic trades; returns (sent, seconds).
+pub async fn produce(settings: &Settings, opts: &ProduceOptions, progress: bool) -> Result<(u64, f64), CliError> {
+    let mut c = admin_config(settings);
+    c.set("enable.idempotence", "true")
+        .set("linger.ms", "20")
+        .set("batch.num.messages", "10000")
+        .set("queue.buffering.max.messages", "200000")
+        .set("message.timeout.ms", "60000");
+    let producer: FutureProducer = c.create()?;
+    let mut rng = StdRng::seed_from_u64(opts.seed);
+    let base_ms = 1_700_000_000_000i64;
+    let started = Instant::now();
+    let mut in_flight = FuturesUnordered::new();
+    let mut last_report = Instant::now();
+    for n in 0..opts.count {
+        if opts.rate > 0 {
+            let due = Duration::from_secs_f64(n as f64 / opts.rate as f64);
+            let elapsed = started.elapsed();
+            if due > elapsed {
+                tokio::time::sleep(due - elapsed).await;
+            }
+        }
+        let (json, key) = synthetic_event(&mut rng, n, opts, base_ms);
+        let producer = &producer;
+        let topic = opts.topic.as_str();
+        let keyed = opts.keyed;
+        in_flight.push(async move {
+            let mut record: FutureRecord<'_, str, str> = FutureRecord::to(topic).payload(&json);
+            if keyed {
+                record = record.key(&key);
+            }
+            producer
+                .send(record, Duration::from_secs(30))
+                .await
+                .map(|_| ())
+                .map_err(|(e, _)| e)
+        });
+        // Bound memory: at most this many unacknowledged sends.
+        while in_flight.len() >= 50_000 {
+            if let Some(r) = in_flight.next().await {
+                r?;
+            }
+        }
+        if progress && last_report.elapsed() >= Duration::from_secs(1) {
+            eprint!("\rproduced {n}/{}", opts.count);
+            last_report = Instant::now();
+        }
+    }
+    while let Some(r) = in_flight.next().await {
+        r?;
+    }
+    if progress {
+        eprintln!("\rproduced {}/{}", opts.count, opts.count);
+    }
+    Ok((opts.count, started.elapsed().as_secs_f64()))
+}
+
+/// For tests and tools: every bucket of one customer, in page order.
+pub async fn customer_buckets(store: &BucketStore, customer: &CustomerId) -> Result<Vec<Document>, CliError> {
+    Ok(store
+        .collection()
+        .find(prefix_range(customer))
+        .sort(doc! {"_id": 1})
+        .await?
+        .try_collect()
+        .await?)
+}

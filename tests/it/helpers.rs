@@ -1,0 +1,496 @@
+//! Shared by every integration test: which servers to use, an isolated
+//! topic / group / database per test, producing, reading back, and
+//! running the worker (in-process, or as the real binary for crash tests).
+//!
+//! Servers: `TRADEBUCKET_TEST_KAFKA` (bootstrap servers) and
+//! `TRADEBUCKET_TEST_MONGODB` (URI) if set, so the same suite runs against
+//! Apache Kafka and MongoDB; otherwise the local stack (`scripts/stack`).
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use mongodb::bson::{doc, Document};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use tokio_util::sync::CancellationToken;
+
+use tradebucket::bucket::store::BucketStore;
+use tradebucket::config::Settings;
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+pub fn kafka_brokers() -> String {
+    std::env::var("TRADEBUCKET_TEST_KAFKA").unwrap_or_else(|_| {
+        let port = std::env::var("TRADEBUCKET_KAFKA_PORT").unwrap_or_else(|_| "19092".into());
+        format!("127.0.0.1:{port}")
+    })
+}
+
+pub fn mongodb_uri() -> String {
+    std::env::var("TRADEBUCKET_TEST_MONGODB").unwrap_or_else(|_| {
+        let port = std::env::var("TRADEBUCKET_MONGO_PORT").unwrap_or_else(|_| "27117".into());
+        format!("mongodb://127.0.0.1:{port}/?directConnection=true")
+    })
+}
+
+/// A name no other test (or earlier run) uses.
+pub fn unique(name: &str) -> String {
+    format!(
+        "tb-{name}-{}-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        rand::random::<u16>()
+    )
+}
+
+pub fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("admin client")
+}
+
+pub async fn create_topic(brokers: &str, name: &str, partitions: i32) {
+    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let results = admin(brokers)
+        .create_topics([&topic], &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))))
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach Kafka at {brokers} ({e}); start it with scripts/stack start"));
+    for r in results {
+        r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
+    }
+}
+
+/// One test's private slice of the servers.
+pub struct TestEnv {
+    pub kafka: String,
+    pub mongo_uri: String,
+    pub db: String,
+    pub topic: String,
+    pub dlq: String,
+    pub group: String,
+    pub partitions: i32,
+}
+
+impl TestEnv {
+    pub async fn new(name: &str, partitions: i32) -> TestEnv {
+        let base = unique(name);
+        let env = TestEnv {
+            kafka: kafka_brokers(),
+            mongo_uri: mongodb_uri(),
+            db: base.replace('-', "_"),
+            topic: format!("{base}.trades"),
+            dlq: format!("{base}.trades.dlq"),
+            group: format!("{base}-group"),
+            partitions,
+        };
+        create_topic(&env.kafka, &env.topic, partitions).await;
+        create_topic(&env.kafka, &env.dlq, 1).await;
+        env
+    }
+
+    /// The worker's environment: TRADEBUCKET__* variables, for the binary
+    /// and (through `settings`) for in-process workers alike.
+    pub fn vars(&self, extra: &[(&str, &str)]) -> BTreeMap<String, String> {
+        let mut v: BTreeMap<String, String> = [
+            ("TRADEBUCKET__KAFKA__BROKERS", self.kafka.as_str()),
+            ("TRADEBUCKET__KAFKA__TOPICS", self.topic.as_str()),
+            ("TRADEBUCKET__KAFKA__GROUP_ID", self.group.as_str()),
+            ("TRADEBUCKET__KAFKA__DLQ_TOPIC", self.dlq.as_str()),
+            ("TRADEBUCKET__MONGODB__URI", self.mongo_uri.as_str()),
+            ("TRADEBUCKET__MONGODB__DATABASE", self.db.as_str()),
+            ("TRADEBUCKET__HTTP__LISTEN", "127.0.0.1:0"),
+            ("TRADEBUCKET__BATCH__LINGER_MS", "20"),
+            // Short sessions so group changes in tests settle quickly.
+            ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT_MS", "10000"),
+            ("TRADEBUCKET__SHUTDOWN__DRAIN_TIMEOUT_MS", "5000"),
+            ("TRADEBUCKET__RETRY__MAX_INTERVAL_MS", "1000"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        for (k, val) in extra {
+            v.insert(k.to_string(), val.to_string());
+        }
+        v
+    }
+
+    pub fn settings(&self, extra: &[(&str, &str)]) -> Settings {
+        Settings::load_from(None, Some(self.vars(extra))).expect("test settings are valid")
+    }
+
+    pub async fn store(&self) -> BucketStore {
+        BucketStore::connect(&self.settings(&[]).mongodb)
+            .await
+            .expect("MongoDB client")
+    }
+
+    fn producer(&self) -> FutureProducer {
+        ClientConfig::new()
+            .set("bootstrap.servers", &self.kafka)
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "5")
+            .create()
+            .expect("producer")
+    }
+
+    /// Produces messages in order and returns each one's (partition, offset).
+    pub async fn produce(&self, messages: &[Produced]) -> Vec<(i32, i64)> {
+        let producer = self.producer();
+        let mut out = Vec::with_capacity(messages.len());
+        // Sequential sends keep the order within a partition exact.
+        for m in messages {
+            let mut headers = OwnedHeaders::new();
+            for (k, v) in &m.headers {
+                headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
+            }
+            let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&self.topic).headers(headers);
+            if let Some(k) = &m.key {
+                record = record.key(k.as_bytes());
+            }
+            if let Some(p) = &m.payload {
+                record = record.payload(p.as_slice());
+            }
+            if let Some(p) = m.partition {
+                record = record.partition(p);
+            }
+            let delivery = producer
+                .send(record, Duration::from_secs(10))
+                .await
+                .map_err(|(e, _)| e)
+                .expect("produce");
+            out.push((delivery.partition, delivery.offset));
+        }
+        out
+    }
+
+    /// Produces JSON events keyed by their customer.
+    pub async fn produce_json(&self, events: &[serde_json::Value]) -> Vec<(i32, i64)> {
+        let messages: Vec<Produced> = events
+            .iter()
+            .map(|e| Produced {
+                key: e.get("customerId").map(|c| c.to_string().trim_matches('"').to_string()),
+                payload: Some(e.to_string().into_bytes()),
+                ..Produced::default()
+            })
+            .collect();
+        self.produce(&messages).await
+    }
+
+    fn group_consumer(&self) -> BaseConsumer {
+        ClientConfig::new()
+            .set("bootstrap.servers", &self.kafka)
+            .set("group.id", &self.group)
+            .create()
+            .expect("consumer")
+    }
+
+    /// The group's committed offsets (next to read) per partition.
+    pub fn committed(&self) -> BTreeMap<i32, i64> {
+        let consumer = self.group_consumer();
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..self.partitions {
+            tpl.add_partition(&self.topic, p);
+        }
+        let committed = consumer
+            .committed_offsets(tpl, Duration::from_secs(10))
+            .expect("committed offsets");
+        committed
+            .elements()
+            .iter()
+            .map(|e| (e.partition(), match e.offset() {
+                Offset::Offset(o) => o,
+                _ => 0,
+            }))
+            .collect()
+    }
+
+    /// The end of each partition.
+    pub fn end_offsets(&self) -> BTreeMap<i32, i64> {
+        let consumer = self.group_consumer();
+        (0..self.partitions)
+            .map(|p| {
+                let (_, high) = consumer
+                    .fetch_watermarks(&self.topic, p, Duration::from_secs(10))
+                    .expect("watermarks");
+                (p, high)
+            })
+            .collect()
+    }
+
+    /// Waits until the group has committed every partition to its end.
+    pub async fn wait_committed_to_end(&self, timeout: Duration) {
+        let end = self.end_offsets();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let committed = self.committed();
+            if committed == end {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "committed {committed:?} did not reach the end {end:?} within {timeout:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Every bucket, in `_id` order.
+    pub async fn buckets(&self) -> Vec<Document> {
+        self.store()
+            .await
+            .collection()
+            .find(doc! {})
+            .sort(doc! {"_id": 1})
+            .await
+            .expect("find")
+            .try_collect()
+            .await
+            .expect("read buckets")
+    }
+
+    /// Trade keys per customer prefix, concatenated in page order.
+    pub async fn histories(&self) -> BTreeMap<String, Vec<String>> {
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for b in self.buckets().await {
+            let id = b.get_str("_id").unwrap();
+            let customer = id.split('_').next().unwrap().to_string();
+            for h in b.get_array("history").unwrap() {
+                let key = h.as_document().unwrap().get_str("key").unwrap().to_string();
+                out.entry(customer.clone()).or_default().push(key);
+            }
+        }
+        out
+    }
+
+    /// Reads the dead-letter topic until `expected` records arrived.
+    pub async fn dead_letters(&self, expected: usize, timeout: Duration) -> Vec<OwnedMessage> {
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.kafka)
+            .set("group.id", unique("dlq-reader"))
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .expect("consumer");
+        consumer.subscribe(&[&self.dlq]).expect("subscribe");
+        let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + timeout;
+        while out.len() < expected {
+            match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                Ok(Ok(m)) => out.push(m.detach()),
+                Ok(Err(e)) => panic!("reading the dead-letter topic: {e}"),
+                Err(_) => break,
+            }
+        }
+        out
+    }
+
+    /// Drops the database and deletes the topics.
+    pub async fn cleanup(self) {
+        if let Ok(store) = BucketStore::connect(&self.settings(&[]).mongodb).await {
+            let _ = store.client().database(&self.db).drop().await;
+        }
+        let _ = admin(&self.kafka)
+            .delete_topics(&[&self.topic, &self.dlq], &AdminOptions::new())
+            .await;
+    }
+}
+
+/// A message to produce.
+#[derive(Debug, Clone, Default)]
+pub struct Produced {
+    pub key: Option<String>,
+    pub payload: Option<Vec<u8>>,
+    pub partition: Option<i32>,
+    pub headers: Vec<(String, String)>,
+}
+
+/// A worker running in this process, stopped through its token.
+pub struct Worker {
+    token: CancellationToken,
+    handle: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Worker {
+    pub fn spawn(settings: Settings) -> Worker {
+        if std::env::var_os("TEST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new("info,tradebucket=debug"))
+                .with_test_writer()
+                .try_init();
+        }
+        let token = CancellationToken::new();
+        let handle = tokio::spawn(tradebucket::pipeline::run(settings, token.clone()));
+        Worker { token, handle }
+    }
+
+    pub async fn stop(self) {
+        self.token.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.handle)
+            .await
+            .expect("worker stops within 30 s")
+            .expect("worker task")
+            .expect("worker result");
+    }
+}
+
+/// The real `tradebucket` binary, for kill -9 and signal tests.
+pub struct WorkerProcess {
+    pub child: Child,
+}
+
+impl WorkerProcess {
+    pub fn start(vars: &BTreeMap<String, String>) -> WorkerProcess {
+        let child = Command::new(env!("CARGO_BIN_EXE_tradebucket"))
+            .arg("run")
+            .envs(vars)
+            .env("TRADEBUCKET__LOG__FORMAT", "text")
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("TEST_LOG").is_some() { Stdio::inherit() } else { Stdio::null() })
+            .spawn()
+            .expect("start tradebucket");
+        WorkerProcess { child }
+    }
+
+    pub fn kill9(mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reap");
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY-free: the `kill` command, to avoid a libc dependency.
+        let status = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    /// Waits for exit; returns the exit code.
+    pub fn wait(mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status.code();
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("worker did not exit within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// A trade event as JSON.
+pub fn trade(id: &str, customer: serde_json::Value, ticker: &str, qty: u32, date: &str) -> serde_json::Value {
+    serde_json::json!({
+        "tradeId": id, "customerId": customer, "type": "buy", "ticker": ticker,
+        "qty": qty, "price": "10.50", "currency": "USD", "date": date,
+    })
+}
+
+/// Runs `tradebucket audit` logic over the test's database.
+pub async fn audit_clean(env: &TestEnv, capacity: u32) -> tradebucket::cli::AuditReport {
+    let cap = capacity.to_string();
+    let settings = env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", &cap)]);
+    let report = tradebucket::cli::audit(&settings, None).await.expect("audit");
+    assert!(report.violations.is_empty(), "audit violations: {:#?}", report.violations);
+    report
+}
+
+/// A MongoDB-protocol server of this test's own (secantusd-rs from the
+/// stack's tools folder), for tests that stop and restart the database
+/// without disturbing the shared one.
+pub struct PrivateMongo {
+    pub port: u16,
+    dir: std::path::PathBuf,
+    child: Option<Child>,
+}
+
+impl PrivateMongo {
+    pub fn binary() -> std::path::PathBuf {
+        let tools = std::env::var("TRADEBUCKET_TOOLS").unwrap_or_else(|_| {
+            format!("{}/.cache/tradebucket/tools", std::env::var("HOME").unwrap_or_default())
+        });
+        std::path::PathBuf::from(tools).join("secantus-0.5.3-beta.196/bin/secantusd-rs")
+    }
+
+    pub async fn start() -> PrivateMongo {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dir = std::env::temp_dir().join(unique("mongo"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut m = PrivateMongo { port, dir, child: None };
+        m.restart().await;
+        m
+    }
+
+    pub fn uri(&self) -> String {
+        format!("mongodb://127.0.0.1:{}/?directConnection=true", self.port)
+    }
+
+    /// Starts the server on the same port and data, and waits until it answers.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let child = Command::new(Self::binary())
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string(), "--storage-path"])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {:?}: {e} (scripts/stack install builds it)", Self::binary()));
+        self.child = Some(child);
+        let client = mongodb::Client::with_uri_str(self.uri()).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while client.database("admin").run_command(doc! {"ping": 1}).await.is_err() {
+            assert!(Instant::now() < deadline, "private MongoDB did not come up");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGTERM and wait for exit: this server loses acknowledged writes on
+    /// kill -9 (STACK.md), which would test the surrogate, not us.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while child.try_wait().unwrap().is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+impl Drop for PrivateMongo {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Polls `f` until it returns true.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -1,0 +1,422 @@
+//! The pipeline's guarantees, one test each, against the real servers.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use mongodb::bson::{doc, Bson, Regex};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rdkafka::message::{Headers, Message};
+use serde_json::json;
+
+use crate::helpers::*;
+use tradebucket::event::CustomerId;
+
+const T: Duration = Duration::from_secs(60);
+const TICKERS: [&str; 3] = ["MDB", "MSFT", "GOOG"];
+
+/// A stream of valid events over `customers`, with dates that repeat
+/// seconds and go backwards (late data), keyed by customer.
+fn stream(seed: u64, n: usize, customers: i64) -> Vec<serde_json::Value> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut secs: i64 = 1_700_000_000;
+    (0..n)
+        .map(|i| {
+            secs += rng.random_range(-2..3);
+            let c = rng.random_range(0..customers);
+            json!({
+                "tradeId": format!("s{seed}-{i}"),
+                "customerId": c,
+                "type": if i % 3 == 0 { "sell" } else { "buy" },
+                "ticker": TICKERS[i % 3],
+                "qty": 1 + i,
+                "price": format!("{}.{:02}", 10 + i, i % 100),
+                "date": secs * 1000 + (i as i64 % 1000),
+            })
+        })
+        .collect()
+}
+
+/// Per customer, the expected keys in stream order (by partition order
+/// when keyed: one customer, one partition).
+fn expected_histories(events: &[serde_json::Value]) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut seen = HashSet::new();
+    for e in events {
+        let id = e["tradeId"].as_str().unwrap().to_string();
+        if seen.insert(id.clone()) {
+            out.entry(e["customerId"].to_string().trim_matches('"').to_string())
+                .or_default()
+                .push(format!("t:{id}"));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn the_manual_example_lands_in_the_manual_buckets_with_true_utc_ids() {
+    let env = TestEnv::new("manual", 1).await;
+    let mut goog = trade("M-3", json!(456), "GOOG", 50, "2023-10-31T11:16:02.120Z");
+    // The manual's flat trades say `quantity`; it is accepted as `qty`.
+    let q = goog.as_object_mut().unwrap().remove("qty").unwrap();
+    goog["quantity"] = q;
+    goog["type"] = json!("buy");
+    let mut sell = trade("M-2", json!(123), "MDB", 29, "2023-10-30T09:32:57.765Z");
+    sell["type"] = json!("sell");
+    env.produce_json(&[
+        trade("M-1", json!(123), "MDB", 419, "2023-10-26T15:47:03.434Z"),
+        sell,
+        goog,
+        trade("M-4", json!(123), "MSFT", 42, "2023-11-02T11:43:10Z"),
+    ])
+    .await;
+    let worker = Worker::spawn(env.settings(&[]));
+    env.wait_committed_to_end(T).await;
+    worker.stop().await;
+
+    let buckets = env.buckets().await;
+    let ids: Vec<&str> = buckets.iter().map(|b| b.get_str("_id").unwrap()).collect();
+    assert_eq!(ids, ["123_1698335223", "456_1698750962"]);
+    let b = &buckets[0];
+    assert_eq!(b.get_i64("count").unwrap(), 3);
+    assert_eq!(b.get_i64("customerId").unwrap(), 123);
+    let history = b.get_array("history").unwrap();
+    let got: Vec<(String, String, i64)> = history
+        .iter()
+        .map(|h| {
+            let h = h.as_document().unwrap();
+            (
+                h.get_str("ticker").unwrap().to_string(),
+                h.get_str("type").unwrap().to_string(),
+                h.get_i64("qty").unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [("MDB".into(), "buy".into(), 419), ("MDB".into(), "sell".into(), 29), ("MSFT".into(), "buy".into(), 42)]
+    );
+    let first = history[0].as_document().unwrap();
+    assert_eq!(first.get_datetime("date").unwrap().timestamp_millis(), 1_698_335_223_434);
+    assert!(matches!(first.get("price"), Some(Bson::Decimal128(_))), "money is Decimal128");
+    assert_eq!(b.get_array("tickers").unwrap(), &vec![Bson::from("MDB"), Bson::from("MSFT")]);
+    assert_eq!(buckets[1].get_i64("count").unwrap(), 1);
+
+    // The manual's page query works unchanged...
+    let store = env.store().await;
+    let page1 = store
+        .collection()
+        .find(doc! {"_id": Regex { pattern: "^123_".into(), options: String::new() }})
+        .sort(doc! {"_id": 1})
+        .skip(0)
+        .limit(1)
+        .await
+        .unwrap();
+    use futures::TryStreamExt;
+    let page1: Vec<_> = page1.try_collect().await.unwrap();
+    assert_eq!(page1[0].get_str("_id").unwrap(), "123_1698335223");
+    // ...and so does `tradebucket page`.
+    let settings = env.settings(&[]);
+    let p = tradebucket::cli::page(&settings, &CustomerId::Int(123), 1).await.unwrap().unwrap();
+    assert_eq!(p["_id"], "123_1698335223");
+    assert!(tradebucket::cli::page(&settings, &CustomerId::Int(123), 2).await.unwrap().is_none());
+    // And keyword search by ticker uses the multikey index's field.
+    let msft = store.collection().count_documents(doc! {"customerId": 123_i64, "tickers": "MSFT"}).await.unwrap();
+    assert_eq!(msft, 1);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn buckets_are_dense_ordered_and_capped() {
+    let env = TestEnv::new("dense", 3).await;
+    let events = stream(7, 600, 9);
+    env.produce_json(&events).await;
+    let worker = Worker::spawn(env.settings(&[
+        ("TRADEBUCKET__BUCKETS__CAPACITY", "4"),
+        // Small batches: many fills of partly full buckets.
+        ("TRADEBUCKET__BATCH__MAX_EVENTS", "37"),
+    ]));
+    env.wait_committed_to_end(T).await;
+    worker.stop().await;
+    let report = audit_clean(&env, 4).await;
+    assert_eq!(report.trades, 600);
+    assert_eq!(env.histories().await, expected_histories(&events), "history order is stream order");
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn redelivery_and_upstream_duplicates_store_each_trade_once() {
+    let env = TestEnv::new("dups", 2).await;
+    let mut events = stream(11, 300, 5);
+    // Upstream duplicates: 30 events produced again later, same tradeId.
+    let again: Vec<_> = events.iter().step_by(10).cloned().collect();
+    events.extend(again);
+    env.produce_json(&events).await;
+    let worker = Worker::spawn(env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "3")]));
+    env.wait_committed_to_end(T).await;
+    worker.stop().await;
+    let first = env.histories().await;
+    assert_eq!(first, expected_histories(&events));
+
+    // Redelivery of everything: a new group reads the topic from the start.
+    let replay = Worker::spawn(env.settings(&[
+        ("TRADEBUCKET__BUCKETS__CAPACITY", "3"),
+        ("TRADEBUCKET__KAFKA__GROUP_ID", &format!("{}-replay", env.group)),
+    ]));
+    let replay_env = TestEnv { group: format!("{}-replay", env.group), ..env_clone(&env) };
+    replay_env.wait_committed_to_end(T).await;
+    replay.stop().await;
+    assert_eq!(env.histories().await, first, "a full replay changes nothing");
+    audit_clean(&env, 3).await;
+    env.cleanup().await;
+}
+
+fn env_clone(env: &TestEnv) -> TestEnv {
+    TestEnv {
+        kafka: env.kafka.clone(),
+        mongo_uri: env.mongo_uri.clone(),
+        db: env.db.clone(),
+        topic: env.topic.clone(),
+        dlq: env.dlq.clone(),
+        group: env.group.clone(),
+        partitions: env.partitions,
+    }
+}
+
+#[tokio::test]
+async fn bad_input_is_dead_lettered_with_its_reason_and_never_blocks() {
+    let env = TestEnv::new("dlq", 1).await;
+    let good = |i: usize| trade(&format!("g{i}"), json!(7), "MDB", 1, "2024-01-01T00:00:00Z").to_string().into_bytes();
+    let bad: Vec<(&str, Vec<u8>)> = vec![
+        ("not_json", b"not json".to_vec()),
+        ("invalid_field", br#"{"customerId":"a_b","type":"buy","ticker":"MDB","qty":1,"date":0}"#.to_vec()),
+        ("invalid_field", br#"{"customerId":1,"type":"buy","ticker":"MDB","qty":0,"date":0}"#.to_vec()),
+        ("invalid_field", br#"{"customerId":1,"type":"buy","ticker":"MDB","qty":1,"price":"NaN","date":0}"#.to_vec()),
+        ("missing_field", br#"{"customerId":1,"type":"buy","qty":1,"date":0}"#.to_vec()),
+        ("not_utf8", vec![b'{', 0xff, b'}']),
+        ("empty", Vec::new()),
+        ("oversize", format!(r#"{{"pad":"{}"}}"#, "x".repeat(70_000)).into_bytes()),
+    ];
+    let mut messages = Vec::new();
+    for (i, (_, payload)) in bad.iter().enumerate() {
+        messages.push(Produced { payload: Some(good(i)), ..Produced::default() });
+        messages.push(Produced {
+            key: Some(format!("bad-{i}")),
+            payload: Some(payload.clone()),
+            headers: vec![("trace".into(), format!("t{i}"))],
+            ..Produced::default()
+        });
+    }
+    let offsets = env.produce(&messages).await;
+    let worker = Worker::spawn(env.settings(&[]));
+    env.wait_committed_to_end(T).await;
+    worker.stop().await;
+
+    let dl = env.dead_letters(bad.len(), T).await;
+    assert_eq!(dl.len(), bad.len());
+    for (i, ((kind, payload), m)) in bad.iter().zip(&dl).enumerate() {
+        let header = |name: &str| {
+            let h = m.headers().expect("headers");
+            h.iter()
+                .find(|h| h.key == name)
+                .and_then(|h| h.value)
+                .map(|v| String::from_utf8_lossy(v).to_string())
+                .unwrap_or_else(|| panic!("no header {name}"))
+        };
+        assert_eq!(header("tradebucket.error.kind"), *kind, "record {i}");
+        assert!(!header("tradebucket.error.message").is_empty());
+        assert_eq!(header("tradebucket.source.topic"), env.topic);
+        assert_eq!(header("tradebucket.source.partition"), "0");
+        assert_eq!(header("tradebucket.source.offset"), offsets[2 * i + 1].1.to_string());
+        assert_eq!(header("trace"), format!("t{i}"), "original headers kept");
+        assert_eq!(m.key(), Some(format!("bad-{i}").as_bytes()), "original key kept");
+        assert_eq!(m.payload().unwrap_or_default(), payload.as_slice(), "original payload kept");
+    }
+    let report = audit_clean(&env, 10).await;
+    assert_eq!(report.trades, bad.len() as u64, "every good event around the bad ones is stored");
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_unwritable_dead_letter_topic_holds_the_partition_until_it_heals() {
+    let env = TestEnv::new("dlq-down", 1).await;
+    let missing = format!("{}.missing", env.topic);
+    env.produce(&[
+        Produced { payload: Some(trade("a", json!(1), "MDB", 1, "2024-01-01T00:00:00Z").to_string().into_bytes()), ..Produced::default() },
+        Produced { payload: Some(b"garbage".to_vec()), ..Produced::default() },
+        Produced { payload: Some(trade("b", json!(1), "MDB", 1, "2024-01-01T00:00:01Z").to_string().into_bytes()), ..Produced::default() },
+    ])
+    .await;
+    let worker = Worker::spawn(env.settings(&[("TRADEBUCKET__KAFKA__DLQ_TOPIC", &missing)]));
+    // The good events are written, but the batch cannot commit past the
+    // bad one while its dead letter is not acknowledged.
+    eventually("good events written", T, || async { env.histories().await.get("1").map(Vec::len) == Some(2) }).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(env.committed().get(&0).copied().unwrap_or(0), 0, "nothing committed past an unrecorded bad event");
+    create_topic(&env.kafka, &missing, 1).await;
+    env.wait_committed_to_end(T).await;
+    worker.stop().await;
+    let _ = admin(&env.kafka).delete_topics(&[&missing], &rdkafka::admin::AdminOptions::new()).await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn crashes_at_any_moment_lose_nothing_and_double_nothing() {
+    let env = TestEnv::new("crash", 4).await;
+    let events = stream(21, 6000, 300);
+    let produced = env.produce_json(&events).await;
+    let vars = env.vars(&[
+        ("TRADEBUCKET__BUCKETS__CAPACITY", "5"),
+        ("TRADEBUCKET__BATCH__MAX_EVENTS", "250"),
+    ]);
+    let key_at: BTreeMap<(i32, i64), String> = produced
+        .iter()
+        .zip(&events)
+        .map(|(&po, e)| (po, format!("t:{}", e["tradeId"].as_str().unwrap())))
+        .collect();
+    let mut rng = StdRng::seed_from_u64(5);
+    for _ in 0..4 {
+        let w = WorkerProcess::start(&vars);
+        tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
+        w.kill9();
+        // Commit after write: everything below a committed offset is stored.
+        let committed = env.committed();
+        let stored: HashSet<String> = env.histories().await.into_values().flatten().collect();
+        for (&(p, o), key) in &key_at {
+            if o < committed.get(&p).copied().unwrap_or(0) {
+                assert!(stored.contains(key), "{key} at {p}/{o} committed but not stored");
+            }
+        }
+        audit_clean(&env, 5).await;
+    }
+    let w = WorkerProcess::start(&vars);
+    env.wait_committed_to_end(T).await;
+    w.signal(15);
+    assert_eq!(w.wait(Duration::from_secs(30)), Some(0));
+    let report = audit_clean(&env, 5).await;
+    assert_eq!(report.trades, 6000);
+    assert_eq!(env.histories().await, expected_histories(&events));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn sigterm_drains_commits_and_exits_zero() {
+    let env = TestEnv::new("sigterm", 2).await;
+    let events = stream(31, 3000, 50);
+    env.produce_json(&events).await;
+    let vars = env.vars(&[("TRADEBUCKET__BATCH__MAX_EVENTS", "100")]);
+    let w = WorkerProcess::start(&vars);
+    eventually("some trades written", T, || async { !env.histories().await.is_empty() }).await;
+    w.signal(15);
+    assert_eq!(w.wait(Duration::from_secs(20)), Some(0), "exit 0 within the drain timeout");
+    // What was committed is stored, and what is stored of a partition is a
+    // prefix the commit covers (drained, not abandoned).
+    let committed = env.committed();
+    let stored: usize = env.histories().await.values().map(Vec::len).sum();
+    let committed_total: i64 = committed.values().sum();
+    assert_eq!(stored as i64, committed_total, "after a drain, stored == committed");
+    let w = WorkerProcess::start(&vars);
+    env.wait_committed_to_end(T).await;
+    w.signal(2);
+    assert_eq!(w.wait(Duration::from_secs(20)), Some(0), "SIGINT too");
+    assert_eq!(env.histories().await, expected_histories(&events));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_database_outage_heals_without_loss_or_duplicates() {
+    let mut mongo = PrivateMongo::start().await;
+    let env = TestEnv { mongo_uri: mongo.uri(), ..TestEnv::new("outage", 2).await };
+    let events = stream(41, 2000, 40);
+    env.produce_json(&events[..1000]).await;
+    let worker = Worker::spawn(env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "7")]));
+    env.wait_committed_to_end(T).await;
+    mongo.stop();
+    let before = env.committed();
+    env.produce_json(&events[1000..]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(env.committed(), before, "no commits while MongoDB is down");
+    mongo.restart().await;
+    env.wait_committed_to_end(T).await;
+    worker.stop().await;
+    let report = audit_clean(&env, 7).await;
+    assert_eq!(report.trades, 2000);
+    assert_eq!(env.histories().await, expected_histories(&events));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn unfriendly_keys_and_zombie_writers_still_store_each_trade_once_in_partition_order() {
+    let env = TestEnv::new("zombie", 4).await;
+    // No keys: every customer's events are spread over all partitions.
+    let events = stream(51, 2000, 12);
+    let messages: Vec<Produced> = events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| Produced {
+            payload: Some(e.to_string().into_bytes()),
+            partition: Some((i % 4) as i32),
+            ..Produced::default()
+        })
+        .collect();
+    let placed = env.produce(&messages).await;
+    // Two workers in different groups: each believes it owns every
+    // partition, like a zombie that has not noticed its rebalance.
+    let a = Worker::spawn(env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "3"), ("TRADEBUCKET__BATCH__MAX_EVENTS", "64")]));
+    let b_group = format!("{}-zombie", env.group);
+    let b = Worker::spawn(env.settings(&[
+        ("TRADEBUCKET__BUCKETS__CAPACITY", "3"),
+        ("TRADEBUCKET__BATCH__MAX_EVENTS", "64"),
+        ("TRADEBUCKET__KAFKA__GROUP_ID", &b_group),
+    ]));
+    env.wait_committed_to_end(T).await;
+    TestEnv { group: b_group, ..env_clone(&env) }.wait_committed_to_end(T).await;
+    a.stop().await;
+    b.stop().await;
+
+    let report = audit_clean(&env, 3).await;
+    assert_eq!(report.trades, 2000, "each trade exactly once");
+    // Within a customer, each partition's events keep their relative order.
+    let position: BTreeMap<String, (i32, i64)> = events
+        .iter()
+        .zip(&placed)
+        .map(|(e, &po)| (format!("t:{}", e["tradeId"].as_str().unwrap()), po))
+        .collect();
+    for (customer, keys) in env.histories().await {
+        let mut last: BTreeMap<i32, i64> = BTreeMap::new();
+        for k in keys {
+            let (p, o) = position[&k];
+            let prev = last.insert(p, o);
+            assert!(prev.is_none_or(|x| x < o), "customer {customer}: partition {p} out of order at {o}");
+        }
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_rebalance_mid_stream_loses_and_doubles_nothing() {
+    let env = TestEnv::new("rebalance", 4).await;
+    let events = stream(61, 4000, 100);
+    env.produce_json(&events[..2000]).await;
+    let settings = env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "6"), ("TRADEBUCKET__BATCH__MAX_EVENTS", "100")]);
+    let first = Worker::spawn(settings.clone());
+    eventually("first worker writing", T, || async { !env.histories().await.is_empty() }).await;
+    let second = Worker::spawn(settings.clone()); // joins: partitions move
+    env.produce_json(&events[2000..]).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    first.stop().await; // leaves: partitions move again
+    env.wait_committed_to_end(T).await;
+    second.stop().await;
+    let report = audit_clean(&env, 6).await;
+    if report.trades != 4000 {
+        let got: HashSet<String> = env.histories().await.into_values().flatten().collect();
+        for (i, e) in events.iter().enumerate() {
+            let k = format!("t:{}", e["tradeId"].as_str().unwrap());
+            if !got.contains(&k) { eprintln!("MISSING {i} {e}"); }
+        }
+        eprintln!("DLQ: {}", env.dead_letters(10, Duration::from_secs(3)).await.len());
+    }
+    assert_eq!(report.trades, 4000);
+    assert_eq!(env.histories().await, expected_histories(&events));
+    env.cleanup().await;
+}
