@@ -68,7 +68,9 @@ pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<Vec<St
                 Ok(name) => created.push(name),
                 Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
                 Err((name, code)) => {
-                    return Err(CliError::Usage(format!("cannot create topic {name}: {code}")))
+                    return Err(CliError::Usage(format!(
+                        "cannot create topic {name}: {code}"
+                    )))
                 }
             }
         }
@@ -77,7 +79,11 @@ pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<Vec<St
 }
 
 /// Page `n` of a customer's history, as relaxed extended JSON.
-pub async fn page(settings: &Settings, customer: &CustomerId, n: u64) -> Result<Option<serde_json::Value>, CliError> {
+pub async fn page(
+    settings: &Settings,
+    customer: &CustomerId,
+    n: u64,
+) -> Result<Option<serde_json::Value>, CliError> {
     if n == 0 {
         return Err(CliError::Usage("pages are numbered from 1".into()));
     }
@@ -123,7 +129,9 @@ pub async fn audit(
         if report.violations.len() < MAX_LISTED {
             report.violations.push(v);
         } else if report.violations.len() == MAX_LISTED {
-            report.violations.push("... (further violations not listed)".into());
+            report
+                .violations
+                .push("... (further violations not listed)".into());
         }
     };
     while let Some(d) = cursor.try_next().await? {
@@ -136,12 +144,18 @@ pub async fn audit(
             }
         };
         let Some((prefix, _)) = id.split_once('_') else {
-            violation(&mut report, format!("{id}: _id is not <customer>_<seconds>"));
+            violation(
+                &mut report,
+                format!("{id}: _id is not <customer>_<seconds>"),
+            );
             continue;
         };
         let prefix = format!("{prefix}_");
         if parse_bucket_id(&prefix, &id).is_none() {
-            violation(&mut report, format!("{id}: _id is not <customer>_<10-digit seconds>[_<6-digit suffix>]"));
+            violation(
+                &mut report,
+                format!("{id}: _id is not <customer>_<10-digit seconds>[_<6-digit suffix>]"),
+            );
         }
         let customer_text = match d.get("customerId") {
             Some(Bson::Int64(i)) => i.to_string(),
@@ -150,7 +164,10 @@ pub async fn audit(
             other => format!("{other:?}"),
         };
         if format!("{customer_text}_") != prefix {
-            violation(&mut report, format!("{id}: customerId {customer_text} does not match the _id"));
+            violation(
+                &mut report,
+                format!("{id}: customerId {customer_text} does not match the _id"),
+            );
         }
         let history: Vec<&Document> = d
             .get_array("history")
@@ -162,10 +179,19 @@ pub async fn audit(
             _ => u64::MAX,
         };
         if count != history.len() as u64 {
-            violation(&mut report, format!("{id}: count {count} but {} trades in history", history.len()));
+            violation(
+                &mut report,
+                format!(
+                    "{id}: count {count} but {} trades in history",
+                    history.len()
+                ),
+            );
         }
         if history.is_empty() || history.len() as u64 > capacity {
-            violation(&mut report, format!("{id}: {} trades, capacity is {capacity}", history.len()));
+            violation(
+                &mut report,
+                format!("{id}: {} trades, capacity is {capacity}", history.len()),
+            );
         }
         report.trades += history.len() as u64;
         let mut tickers = BTreeSet::new();
@@ -173,7 +199,10 @@ pub async fn audit(
             match h.get_str("key") {
                 Ok(k) => {
                     if !keys.insert(k.to_string()) {
-                        violation(&mut report, format!("{id}: trade {k} is stored more than once"));
+                        violation(
+                            &mut report,
+                            format!("{id}: trade {k} is stored more than once"),
+                        );
                     }
                 }
                 Err(_) => violation(&mut report, format!("{id}: a trade has no key")),
@@ -184,25 +213,43 @@ pub async fn audit(
         }
         let stored: BTreeSet<String> = d
             .get_array("tickers")
-            .map(|a| a.iter().filter_map(|t| t.as_str().map(str::to_string)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|t| t.as_str().map(str::to_string))
+                    .collect()
+            })
             .unwrap_or_default();
         if stored != tickers {
-            violation(&mut report, format!("{id}: tickers {stored:?} but history has {tickers:?}"));
+            violation(
+                &mut report,
+                format!("{id}: tickers {stored:?} but history has {tickers:?}"),
+            );
         }
         let prev = d.get_str("prev").unwrap_or("<missing>").to_string();
         match &current {
             Some((p, last_id, last_count)) if *p == prefix => {
                 if *last_count != capacity {
-                    violation(&mut report, format!("{last_id}: holds {last_count} trades but is not the newest bucket"));
+                    violation(
+                        &mut report,
+                        format!(
+                            "{last_id}: holds {last_count} trades but is not the newest bucket"
+                        ),
+                    );
                 }
                 if prev != *last_id {
-                    violation(&mut report, format!("{id}: prev is {prev}, expected {last_id}"));
+                    violation(
+                        &mut report,
+                        format!("{id}: prev is {prev}, expected {last_id}"),
+                    );
                 }
             }
             _ => {
                 report.customers += 1;
                 if prev != prefix {
-                    violation(&mut report, format!("{id}: first bucket of its customer but prev is {prev}"));
+                    violation(
+                        &mut report,
+                        format!("{id}: first bucket of its customer but prev is {prev}"),
+                    );
                 }
             }
         }
@@ -235,7 +282,12 @@ const TICKERS: [&str; 20] = [
 ];
 
 /// One synthetic, valid trade event as JSON, and its customer.
-pub fn synthetic_event(rng: &mut StdRng, n: u64, opts: &ProduceOptions, base_ms: i64) -> (String, String) {
+pub fn synthetic_event(
+    rng: &mut StdRng,
+    n: u64,
+    opts: &ProduceOptions,
+    base_ms: i64,
+) -> (String, String) {
     let customer = if opts.skewed {
         // Squaring a uniform draw piles mass on low ids: roughly 30% of
         // trades go to the first 10% of customers.
@@ -264,7 +316,11 @@ pub fn synthetic_event(rng: &mut StdRng, n: u64, opts: &ProduceOptions, base_ms:
 }
 
 /// Produces synthetic trades; returns (sent, seconds).
-pub async fn produce(settings: &Settings, opts: &ProduceOptions, progress: bool) -> Result<(u64, f64), CliError> {
+pub async fn produce(
+    settings: &Settings,
+    opts: &ProduceOptions,
+    progress: bool,
+) -> Result<(u64, f64), CliError> {
     let mut c = admin_config(settings);
     c.set("enable.idempotence", "true")
         .set("linger.ms", "20")
@@ -321,7 +377,10 @@ pub async fn produce(settings: &Settings, opts: &ProduceOptions, progress: bool)
 }
 
 /// For tests and tools: every bucket of one customer, in page order.
-pub async fn customer_buckets(store: &BucketStore, customer: &CustomerId) -> Result<Vec<Document>, CliError> {
+pub async fn customer_buckets(
+    store: &BucketStore,
+    customer: &CustomerId,
+) -> Result<Vec<Document>, CliError> {
     Ok(store
         .collection()
         .find(prefix_range(customer))

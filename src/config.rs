@@ -161,10 +161,7 @@ impl Settings {
             .with_list_parse_key("kafka.topics")
             .try_parsing(true)
             .source(env.map(|m| m.into_iter().collect()));
-        let settings: Settings = builder
-            .add_source(environment)
-            .build()?
-            .try_deserialize()?;
+        let settings: Settings = builder.add_source(environment).build()?.try_deserialize()?;
         settings.validate()?;
         Ok(settings)
     }
@@ -396,8 +393,16 @@ mod tests {
         let cases = [
             ("TRADEBUCKET__BUCKETS__CAPACITY", "0", "buckets.capacity"),
             ("TRADEBUCKET__KAFKA__TOPICS", "bad topic", "kafka.topics"),
-            ("TRADEBUCKET__MONGODB__WRITE_CONCERN", "most", "mongodb.write_concern"),
-            ("TRADEBUCKET__SHUTDOWN__DRAIN_TIMEOUT_MS", "60000", "shutdown.drain_timeout_ms"),
+            (
+                "TRADEBUCKET__MONGODB__WRITE_CONCERN",
+                "most",
+                "mongodb.write_concern",
+            ),
+            (
+                "TRADEBUCKET__SHUTDOWN__DRAIN_TIMEOUT_MS",
+                "60000",
+                "shutdown.drain_timeout_ms",
+            ),
             ("TRADEBUCKET__LOG__FORMAT", "xml", "log.format"),
         ];
         for (key, value, field) in cases {
@@ -408,8 +413,8 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_rejected() {
-        let err = Settings::load_from(None, env(&[("TRADEBUCKET__BUCKETS__CAPACTIY", "5")]))
-            .unwrap_err();
+        let err =
+            Settings::load_from(None, env(&[("TRADEBUCKET__BUCKETS__CAPACTIY", "5")])).unwrap_err();
         assert!(err.to_string().contains("capactiy"), "{err}");
     }
 
@@ -423,11 +428,8 @@ mod tests {
             "[buckets]\ncapacity = 50\n[batch]\nlinger_ms = 7\n[kafka.options]\n\"security.protocol\" = \"SASL_SSL\"\n\"sasl.password\" = \"hunter2\"\n",
         )
         .unwrap();
-        let s = Settings::load_from(
-            Some(&path),
-            env(&[("TRADEBUCKET__BATCH__LINGER_MS", "9")]),
-        )
-        .unwrap();
+        let s = Settings::load_from(Some(&path), env(&[("TRADEBUCKET__BATCH__LINGER_MS", "9")]))
+            .unwrap();
         assert_eq!(s.buckets.capacity, 50);
         assert_eq!(s.batch.linger_ms, 9);
         assert_eq!(s.kafka.options["security.protocol"], "SASL_SSL");

@@ -130,7 +130,11 @@ impl CustomerId {
     /// Parses the `--customer` argument of the CLI: digits are an integer id.
     pub fn parse_cli(text: &str) -> Result<CustomerId, Reject> {
         let id = match text.parse::<i64>() {
-            Ok(i) if i >= 0 && !text.starts_with('+') && !(text.len() > 1 && text.starts_with('0')) => {
+            Ok(i)
+                if i >= 0
+                    && !text.starts_with('+')
+                    && !(text.len() > 1 && text.starts_with('0')) =>
+            {
                 CustomerId::Int(i)
             }
             _ => CustomerId::Str(text.to_string()),
@@ -208,7 +212,7 @@ const DERIVED_FIELDS: [&str; 2] = ["key", "offsetMinutes"];
 pub fn decode(payload: Option<&[u8]>, source: &Source, max_bytes: usize) -> Result<Trade, Reject> {
     let bytes = match payload {
         None => return Err(Reject::new(RejectKind::Empty, "message has no payload")),
-        Some(b) if b.is_empty() => return Err(Reject::new(RejectKind::Empty, "payload is empty")),
+        Some([]) => return Err(Reject::new(RejectKind::Empty, "payload is empty")),
         Some(b) => b,
     };
     if bytes.len() > max_bytes {
@@ -217,12 +221,8 @@ pub fn decode(payload: Option<&[u8]>, source: &Source, max_bytes: usize) -> Resu
             format!("payload is {} bytes, limit is {max_bytes}", bytes.len()),
         ));
     }
-    let text = std::str::from_utf8(bytes).map_err(|e| {
-        Reject::new(
-            RejectKind::NotUtf8,
-            format!("payload is not UTF-8 ({e})"),
-        )
-    })?;
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| Reject::new(RejectKind::NotUtf8, format!("payload is not UTF-8 ({e})")))?;
     let fields = parse_object(text)?;
 
     let mut trade_id: Option<(Bson, String)> = None;
@@ -420,14 +420,18 @@ fn parse_side(raw: &str) -> Result<String, Reject> {
 }
 
 fn parse_ticker(raw: &str) -> Result<String, Reject> {
-    let s = serde_json::from_str::<String>(raw).map_err(|_| field_err("ticker", "must be a string"))?;
+    let s =
+        serde_json::from_str::<String>(raw).map_err(|_| field_err("ticker", "must be a string"))?;
     if s.is_empty()
         || s.len() > 16
         || !s
             .bytes()
             .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
     {
-        return Err(field_err("ticker", "must be 1 to 16 of A-Z, 0-9, '.' and '-'"));
+        return Err(field_err(
+            "ticker",
+            "must be 1 to 16 of A-Z, 0-9, '.' and '-'",
+        ));
     }
     Ok(s)
 }
@@ -436,7 +440,10 @@ fn parse_currency(raw: &str) -> Result<String, Reject> {
     let s = serde_json::from_str::<String>(raw)
         .map_err(|_| field_err("currency", "must be a string"))?;
     if s.len() != 3 || !s.bytes().all(|b| b.is_ascii_uppercase()) {
-        return Err(field_err("currency", "must be three letters A-Z (ISO 4217)"));
+        return Err(field_err(
+            "currency",
+            "must be three letters A-Z (ISO 4217)",
+        ));
     }
     Ok(s)
 }
@@ -491,7 +498,8 @@ fn is_json_integer(raw: &str) -> bool {
 /// The decimal text of a number given as a JSON number or a JSON string.
 fn decimal_text(raw: &str, field: &str) -> Result<String, Reject> {
     let text = if raw.starts_with('"') {
-        serde_json::from_str::<String>(raw).map_err(|_| field_err(field, "is not a valid string"))?
+        serde_json::from_str::<String>(raw)
+            .map_err(|_| field_err(field, "is not a valid string"))?
     } else {
         raw.to_string()
     };
@@ -510,7 +518,9 @@ fn exact_decimal(text: &str, field: &str) -> Result<Decimal128, Reject> {
     text.parse::<Decimal128>().map_err(|e| {
         field_err(
             field,
-            &format!("cannot be represented exactly as Decimal128 ({e}; at most 34 significant digits)"),
+            &format!(
+                "cannot be represented exactly as Decimal128 ({e}; at most 34 significant digits)"
+            ),
         )
     })
 }
@@ -556,11 +566,14 @@ fn parse_date(raw: &str) -> Result<(i64, Option<i32>), Reject> {
         )
     };
     let (ms, offset) = if raw.starts_with('"') {
-        let s = serde_json::from_str::<String>(raw).map_err(|_| field_err("date", "is not a valid string"))?;
+        let s = serde_json::from_str::<String>(raw)
+            .map_err(|_| field_err("date", "is not a valid string"))?;
         let dt: DateTime<FixedOffset> = DateTime::parse_from_rfc3339(&s).map_err(|e| {
             field_err(
                 "date",
-                &format!("must be RFC 3339 with Z or an offset, e.g. 2023-10-26T15:47:03.434Z ({e})"),
+                &format!(
+                    "must be RFC 3339 with Z or an offset, e.g. 2023-10-26T15:47:03.434Z ({e})"
+                ),
             )
         })?;
         let offset_secs = dt.offset().local_minus_utc();
@@ -609,7 +622,9 @@ fn check_nested_names(value: &serde_json::Value, path: &str) -> Result<(), Rejec
             }
             Ok(())
         }
-        serde_json::Value::Array(items) => items.iter().try_for_each(|v| check_nested_names(v, path)),
+        serde_json::Value::Array(items) => {
+            items.iter().try_for_each(|v| check_nested_names(v, path))
+        }
         _ => Ok(()),
     }
 }

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -85,14 +87,19 @@ impl ConsumerContext for ConsumerCtx {
             }
             let revoked = partitions(tpl);
             tracing::info!(partitions = ?revoked, "partitions revoked");
-            self.metrics.rebalances.with_label_values(&["revoked"]).inc();
+            self.metrics
+                .rebalances
+                .with_label_values(&["revoked"])
+                .inc();
             let mut g = self.group.lock().expect("group state lock");
             for tp in &revoked {
                 g.assignment.remove(tp);
             }
             g.revoked.extend(revoked);
             g.generation += 1;
-            self.metrics.assigned_partitions.set(g.assignment.len() as i64);
+            self.metrics
+                .assigned_partitions
+                .set(g.assignment.len() as i64);
         }
     }
 
@@ -101,11 +108,16 @@ impl ConsumerContext for ConsumerCtx {
             Rebalance::Assign(tpl) => {
                 let assigned = partitions(tpl);
                 tracing::info!(partitions = ?assigned, "partitions assigned");
-                self.metrics.rebalances.with_label_values(&["assigned"]).inc();
+                self.metrics
+                    .rebalances
+                    .with_label_values(&["assigned"])
+                    .inc();
                 let mut g = self.group.lock().expect("group state lock");
                 g.assignment.extend(assigned);
                 g.generation += 1;
-                self.metrics.assigned_partitions.set(g.assignment.len() as i64);
+                self.metrics
+                    .assigned_partitions
+                    .set(g.assignment.len() as i64);
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
             Rebalance::Revoke(_) => {}
@@ -116,7 +128,10 @@ impl ConsumerContext for ConsumerCtx {
         match result {
             Ok(()) => self.metrics.offset_commits.with_label_values(&["ok"]).inc(),
             Err(e) => {
-                self.metrics.offset_commits.with_label_values(&["error"]).inc();
+                self.metrics
+                    .offset_commits
+                    .with_label_values(&["error"])
+                    .inc();
                 tracing::warn!(error = %e, "offset commit failed; the next commit supersedes it");
             }
         }
@@ -126,7 +141,11 @@ impl ConsumerContext for ConsumerCtx {
 /// Layering: our tunables, then the operator's `kafka.options` (security,
 /// tuning), then the settings the guarantees depend on, which no option
 /// may override.
-fn client_config(settings: &Settings, tunables: &[(&str, String)], fixed: &[(&str, String)]) -> ClientConfig {
+fn client_config(
+    settings: &Settings,
+    tunables: &[(&str, String)],
+    fixed: &[(&str, String)],
+) -> ClientConfig {
     let k = &settings.kafka;
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &k.brokers)

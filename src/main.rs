@@ -18,7 +18,10 @@ use tradebucket::pipeline;
 const EXIT_CONFIG: u8 = 64;
 
 #[derive(Parser)]
-#[command(version, about = "Kafka trade events into per-customer MongoDB bucket documents, exactly once")]
+#[command(
+    version,
+    about = "Kafka trade events into per-customer MongoDB bucket documents, exactly once"
+)]
 struct Cli {
     /// A TOML file overriding config/default.toml (env TRADEBUCKET__* overrides both).
     #[arg(long, global = true, env = "TRADEBUCKET_CONFIG")]
@@ -196,7 +199,17 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
                 return Ok(ExitCode::FAILURE);
             }
         }
-        Command::Produce { topic, count, customers, skewed, tickers, rate, seed, no_keys, first_id } => {
+        Command::Produce {
+            topic,
+            count,
+            customers,
+            skewed,
+            tickers,
+            rate,
+            seed,
+            no_keys,
+            first_id,
+        } => {
             let opts = ProduceOptions {
                 topic: topic.unwrap_or_else(|| settings.kafka.topics[0].clone()),
                 count,
@@ -208,7 +221,8 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
                 keyed: !no_keys,
                 first_id,
             };
-            let (sent, secs) = cli::produce(&settings, &opts, std::io::stderr().is_terminal()).await?;
+            let (sent, secs) =
+                cli::produce(&settings, &opts, std::io::stderr().is_terminal()).await?;
             println!(
                 "produced {sent} trades for {customers} customers to {} in {secs:.2} s ({:.0} events/s)",
                 opts.topic,

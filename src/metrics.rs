@@ -158,7 +158,10 @@ impl Metrics {
             registry,
         };
         let build_info = IntGaugeVec::new(
-            Opts::new("tradebucket_build_info", "Always 1; labels carry the version."),
+            Opts::new(
+                "tradebucket_build_info",
+                "Always 1; labels carry the version.",
+            ),
             &["version"],
         )
         .expect("valid metric");

@@ -236,11 +236,15 @@ impl Pipeline {
                     self.tracker.consumed(&msg.tp, msg.offset);
                     bytes += msg.payload.as_ref().map_or(0, Vec::len);
                     batch.push(msg);
-                    deadline.get_or_insert_with(|| tokio::time::Instant::now() + self.settings.linger());
+                    deadline.get_or_insert_with(|| {
+                        tokio::time::Instant::now() + self.settings.linger()
+                    });
                 }
             }
             self.apply_revocations();
-            if batch.len() >= self.settings.batch.max_events || bytes >= self.settings.batch.max_bytes {
+            if batch.len() >= self.settings.batch.max_events
+                || bytes >= self.settings.batch.max_bytes
+            {
                 break;
             }
             if batch.is_empty() {
@@ -248,7 +252,9 @@ impl Pipeline {
             }
         }
         self.metrics.events_consumed.inc_by(batch.len() as u64);
-        self.metrics.in_flight_events.set(self.tracker.in_flight() as i64);
+        self.metrics
+            .in_flight_events
+            .set(self.tracker.in_flight() as i64);
         batch
     }
 
@@ -336,8 +342,12 @@ impl Pipeline {
 
         let m = &self.metrics;
         m.events_written.inc_by(written);
-        m.events_skipped.with_label_values(&["already_applied"]).inc_by(applied);
-        m.events_skipped.with_label_values(&["duplicate"]).inc_by(duplicates);
+        m.events_skipped
+            .with_label_values(&["already_applied"])
+            .inc_by(applied);
+        m.events_skipped
+            .with_label_values(&["duplicate"])
+            .inc_by(duplicates);
         m.batch_events.observe(batch.len() as f64);
         m.batch_customers.observe(stats.customers as f64);
         m.buckets_created.inc_by(stats.buckets_created as u64);
@@ -412,7 +422,10 @@ impl Pipeline {
             if failed.is_empty() {
                 return;
             }
-            self.metrics.retries.with_label_values(&["dead_letter"]).inc();
+            self.metrics
+                .retries
+                .with_label_values(&["dead_letter"])
+                .inc();
             let wait = backoff.next_backoff().unwrap_or(Duration::from_secs(10));
             tracing::error!(
                 failed = failed.len(),
@@ -432,7 +445,12 @@ impl Pipeline {
         // Progress on partitions given away belongs to their new owner,
         // which re-reads from the last commit; committing it here could
         // race that owner's commits.
-        let assignment = self.group.lock().expect("group state lock").assignment.clone();
+        let assignment = self
+            .group
+            .lock()
+            .expect("group state lock")
+            .assignment
+            .clone();
         self.tracker.retain(|tp| assignment.contains(tp));
         let commits = self.tracker.take_commits();
         if !commits.is_empty() {
@@ -462,7 +480,10 @@ impl Pipeline {
                 rdkafka::types::RDKafkaErrorCode::NoOffset,
             )) => {}
             Err(e) => {
-                self.metrics.offset_commits.with_label_values(&["error"]).inc();
+                self.metrics
+                    .offset_commits
+                    .with_label_values(&["error"])
+                    .inc();
                 self.metrics.retries.with_label_values(&["commit"]).inc();
                 tracing::warn!(error = %e, "offset commit failed; the next one supersedes it");
             }

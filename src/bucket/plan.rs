@@ -231,7 +231,9 @@ pub fn plan_customer(
         let mut wm = head.as_ref().map(|h| h.wm.clone()).unwrap_or_default();
         let mut bucket = NewBucket {
             id: format_bucket_id(&prefix, secs, suffix),
-            prev: head.as_ref().map_or_else(|| prefix.clone(), |h| h.id.clone()),
+            prev: head
+                .as_ref()
+                .map_or_else(|| prefix.clone(), |h| h.id.clone()),
             customer: head
                 .as_ref()
                 .map_or_else(|| customer.to_bson(), |h| h.customer.clone()),

@@ -89,14 +89,18 @@ pub struct BucketStore {
 impl BucketStore {
     pub async fn connect(settings: &MongoSettings) -> Result<Self, StoreError> {
         let mut options = ClientOptions::parse(&settings.uri).await?;
-        options.app_name.get_or_insert_with(|| "tradebucket".to_string());
+        options
+            .app_name
+            .get_or_insert_with(|| "tradebucket".to_string());
         // Fail a request within seconds when the server is gone, so the
         // pipeline's backoff (not a driver-internal wait) paces the retries
         // and readiness reflects the outage promptly.
         options
             .server_selection_timeout
             .get_or_insert(Duration::from_secs(5));
-        options.connect_timeout.get_or_insert(Duration::from_secs(5));
+        options
+            .connect_timeout
+            .get_or_insert(Duration::from_secs(5));
         let client = Client::with_options(options)?;
         let db = client.database(&settings.database);
         let coll = db.collection::<Document>(&settings.collection);
@@ -242,12 +246,10 @@ impl BucketStore {
                 .await?;
             let part = parse_write_reply(&reply)?;
             outcome.matched += part.0;
-            outcome
-                .errors
-                .extend(part.1.into_iter().map(|mut e| {
-                    e.index += base;
-                    e
-                }));
+            outcome.errors.extend(part.1.into_iter().map(|mut e| {
+                e.index += base;
+                e
+            }));
             base += len;
         }
         Ok(outcome)
@@ -292,7 +294,11 @@ impl BucketStore {
 
     /// Page `n` (1-based) of a customer's history: the manual's query,
     /// `find({_id: /^<id>_/}).sort({_id: 1}).skip(n - 1).limit(1)`.
-    pub async fn page(&self, customer: &CustomerId, n: u64) -> Result<Option<Document>, StoreError> {
+    pub async fn page(
+        &self,
+        customer: &CustomerId,
+        n: u64,
+    ) -> Result<Option<Document>, StoreError> {
         let regex = mongodb::bson::Regex {
             pattern: format!("^{}_", customer.id_text()),
             options: String::new(),
@@ -339,7 +345,11 @@ fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), Sto
         Some(Bson::Int32(n)) => *n as u64,
         Some(Bson::Int64(n)) => *n as u64,
         Some(Bson::Double(n)) => *n as u64,
-        _ => return Err(StoreError::Failed(format!("update reply without n: {reply}"))),
+        _ => {
+            return Err(StoreError::Failed(format!(
+                "update reply without n: {reply}"
+            )))
+        }
     };
     let mut errors = Vec::new();
     if let Ok(list) = reply.get_array("writeErrors") {
@@ -347,7 +357,11 @@ fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), Sto
             let index = match e.get("index") {
                 Some(Bson::Int32(i)) => *i as usize,
                 Some(Bson::Int64(i)) => *i as usize,
-                _ => return Err(StoreError::Failed(format!("write error without index: {e}"))),
+                _ => {
+                    return Err(StoreError::Failed(format!(
+                        "write error without index: {e}"
+                    )))
+                }
             };
             errors.push(StatementError {
                 index,
@@ -381,7 +395,9 @@ fn chunk_by_size(statements: Vec<Document>) -> Vec<Vec<Document>> {
 fn approx_size(d: &Document) -> usize {
     // Serialising is the only exact measure; statements are small relative
     // to the budget, so the cost is the price of never sending >16 MiB.
-    mongodb::bson::to_vec(d).map(|v| v.len()).unwrap_or(MAX_STATEMENT_BYTES)
+    mongodb::bson::to_vec(d)
+        .map(|v| v.len())
+        .unwrap_or(MAX_STATEMENT_BYTES)
 }
 
 /// Builds our view of a bucket from its stored form.
@@ -394,7 +410,11 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
         Some(Bson::Int32(n)) => *n as u32,
         Some(Bson::Int64(n)) => *n as u32,
         Some(Bson::Double(n)) => *n as u32,
-        _ => return Err(StoreError::Failed(format!("bucket {id} has no numeric count"))),
+        _ => {
+            return Err(StoreError::Failed(format!(
+                "bucket {id} has no numeric count"
+            )))
+        }
     };
     let keys = d
         .get_array("history")
@@ -429,7 +449,10 @@ pub fn fill_statement(fill: &Fill, trades: &[&Trade]) -> Document {
     for (k, v) in &fill.wm {
         max.insert(format!("wm.{k}"), *v);
     }
-    let history: Vec<Bson> = trades.iter().map(|t| Bson::Document(t.doc.clone())).collect();
+    let history: Vec<Bson> = trades
+        .iter()
+        .map(|t| Bson::Document(t.doc.clone()))
+        .collect();
     let tickers: Vec<&String> = fill.tickers.iter().collect();
     doc! {
         "q": {"_id": &fill.bucket_id, "count": fill.expected_count as i64},
@@ -448,7 +471,10 @@ pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> Document {
     for (k, v) in &bucket.wm {
         wm.insert(k.clone(), *v);
     }
-    let history: Vec<Bson> = trades.iter().map(|t| Bson::Document(t.doc.clone())).collect();
+    let history: Vec<Bson> = trades
+        .iter()
+        .map(|t| Bson::Document(t.doc.clone()))
+        .collect();
     let tickers: Vec<&String> = bucket.tickers.iter().collect();
     doc! {
         "_id": &bucket.id,
@@ -469,11 +495,19 @@ mod tests {
     fn the_prefix_range_covers_exactly_one_customer() {
         let r = prefix_range(&CustomerId::Int(12));
         let range = r.get_document("_id").unwrap();
-        let (lo, hi) = (range.get_str("$gte").unwrap(), range.get_str("$lt").unwrap());
+        let (lo, hi) = (
+            range.get_str("$gte").unwrap(),
+            range.get_str("$lt").unwrap(),
+        );
         for inside in ["12_0000000001", "12_9999999999_000001"] {
             assert!(lo <= inside && inside < hi, "{inside}");
         }
-        for outside in ["1_0000000001", "120_0000000001", "12-3_0000000001", "13_0000000001"] {
+        for outside in [
+            "1_0000000001",
+            "120_0000000001",
+            "12-3_0000000001",
+            "13_0000000001",
+        ] {
             assert!(!(lo <= outside && outside < hi), "{outside}");
         }
     }
@@ -498,15 +532,22 @@ mod tests {
         let big = "x".repeat(3 * 1024 * 1024);
         let statements: Vec<Document> = (0..5).map(|i| doc! {"i": i, "pad": &big}).collect();
         let chunks = chunk_by_size(statements);
-        assert_eq!(chunks.iter().map(Vec::len).collect::<Vec<_>>(), vec![2, 2, 1]);
-        let order: Vec<i32> = chunks.iter().flatten().map(|d| d.get_i32("i").unwrap()).collect();
+        assert_eq!(
+            chunks.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![2, 2, 1]
+        );
+        let order: Vec<i32> = chunks
+            .iter()
+            .flatten()
+            .map(|d| d.get_i32("i").unwrap())
+            .collect();
         assert_eq!(order, vec![0, 1, 2, 3, 4]);
     }
 
     #[test]
     fn heads_round_trip_through_the_stored_form() {
         let d = doc! {"_id": "5_0000000100", "customerId": 5_i64, "count": 2_i64,
-            "history": [{"key": "a"}, {"key": "b"}], "wm": {"t:0": 17_i64}};
+        "history": [{"key": "a"}, {"key": "b"}], "wm": {"t:0": 17_i64}};
         let h = head_from_document(&d).unwrap();
         assert_eq!(h.count, 2);
         assert_eq!(h.keys.len(), 2);

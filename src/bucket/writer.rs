@@ -62,7 +62,12 @@ pub struct BucketWriter {
 }
 
 impl BucketWriter {
-    pub fn new(store: BucketStore, capacity: u32, cache_customers: usize, metrics: Metrics) -> Self {
+    pub fn new(
+        store: BucketStore,
+        capacity: u32,
+        cache_customers: usize,
+        metrics: Metrics,
+    ) -> Self {
         BucketWriter {
             store,
             capacity,
@@ -100,7 +105,10 @@ impl BucketWriter {
         let mut by_customer: BTreeMap<CustomerId, Vec<usize>> = BTreeMap::new();
         for (i, (trade, _)) in events.iter().enumerate() {
             if !outcomes[i].is_final() {
-                by_customer.entry(trade.customer.clone()).or_default().push(i);
+                by_customer
+                    .entry(trade.customer.clone())
+                    .or_default()
+                    .push(i);
             }
         }
         let mut stats = WriteStats {
@@ -109,7 +117,13 @@ impl BucketWriter {
         };
         let mut elsewhere: HashMap<CustomerId, HashSet<String>> = HashMap::new();
         let result = self
-            .rounds(events, outcomes, &mut by_customer, &mut elsewhere, &mut stats)
+            .rounds(
+                events,
+                outcomes,
+                &mut by_customer,
+                &mut elsewhere,
+                &mut stats,
+            )
             .await;
         if result.is_err() {
             // Whatever we were doing, we no longer know the state of these
@@ -180,7 +194,9 @@ impl BucketWriter {
             let mut stale: Vec<CustomerId> = Vec::new();
 
             // Phase 1: fills, one unordered command for all customers.
-            let fillers: Vec<usize> = (0..plans.len()).filter(|&p| plans[p].1.fill.is_some()).collect();
+            let fillers: Vec<usize> = (0..plans.len())
+                .filter(|&p| plans[p].1.fill.is_some())
+                .collect();
             let mut fill_ok: Vec<bool> = vec![true; plans.len()];
             if !fillers.is_empty() {
                 let statements: Vec<Document> = fillers
@@ -335,7 +351,10 @@ impl BucketWriter {
         for customer in conflicted {
             for &i in pending.get(customer).map(Vec::as_slice).unwrap_or(&[]) {
                 if !outcomes[i].is_final() || outcomes[i] == Outcome::Written {
-                    owner_of.entry(events[i].0.key.as_str()).or_default().push(i);
+                    owner_of
+                        .entry(events[i].0.key.as_str())
+                        .or_default()
+                        .push(i);
                 }
             }
         }
@@ -347,11 +366,16 @@ impl BucketWriter {
             for &i in owner_of.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
                 let customer = &events[i].0.customer;
                 if bucket_id.starts_with(&id_prefix(customer)) {
-                    elsewhere.entry(customer.clone()).or_default().insert(key.clone());
+                    elsewhere
+                        .entry(customer.clone())
+                        .or_default()
+                        .insert(key.clone());
                 } else if !outcomes[i].is_final() {
                     outcomes[i] = Outcome::DeadLetter(Reject::new(
                         RejectKind::TradeIdConflict,
-                        format!("trade {key} is already stored for another customer in {bucket_id}"),
+                        format!(
+                            "trade {key} is already stored for another customer in {bucket_id}"
+                        ),
                     ));
                 }
             }

@@ -50,15 +50,23 @@ fn with(field: &str, value: Option<&str>) -> String {
 
 #[test]
 fn the_issue_example_decodes_exactly() {
-    let t = ok(r#"{"tradeId":"T-9001","customerId":123,"type":"buy","ticker":"MDB","qty":419,"price":"61.25","currency":"USD","date":"2023-10-26T15:47:03.434Z"}"#);
+    let t = ok(
+        r#"{"tradeId":"T-9001","customerId":123,"type":"buy","ticker":"MDB","qty":419,"price":"61.25","currency":"USD","date":"2023-10-26T15:47:03.434Z"}"#,
+    );
     assert_eq!(t.key, "t:T-9001");
     assert_eq!(t.customer, CustomerId::Int(123));
     assert_eq!(t.epoch_seconds(), 1_698_335_223);
     assert_eq!(t.doc.get_i64("qty").unwrap(), 419);
     assert_eq!(dec(&t, "price"), "61.25");
     assert_eq!(t.doc.get_str("type").unwrap(), "buy");
-    assert_eq!(t.doc.get_datetime("date").unwrap().timestamp_millis(), 1_698_335_223_434);
-    assert!(t.doc.get("offsetMinutes").is_none(), "Z is UTC: no offset stored");
+    assert_eq!(
+        t.doc.get_datetime("date").unwrap().timestamp_millis(),
+        1_698_335_223_434
+    );
+    assert!(
+        t.doc.get("offsetMinutes").is_none(),
+        "Z is UTC: no offset stored"
+    );
     assert_eq!(t.doc.get_str("key").unwrap(), "t:T-9001");
 }
 
@@ -79,11 +87,11 @@ fn fractional_qty_and_numeric_price_stay_exact() {
     let price = dec(&t, "price");
     assert_eq!(price, "0.30000000000000004");
     // 34 significant digits are the most Decimal128 holds exactly.
-    let t = ok(&with("price", Some(r#""1234567890123456789012345678.901234""#)));
-    assert_eq!(
-        dec(&t, "price"),
-        "1234567890123456789012345678.901234"
-    );
+    let t = ok(&with(
+        "price",
+        Some(r#""1234567890123456789012345678.901234""#),
+    ));
+    assert_eq!(dec(&t, "price"), "1234567890123456789012345678.901234");
 }
 
 #[test]
@@ -226,21 +234,33 @@ fn invalid_field_values_are_rejected_with_the_field_named() {
         let e = rejected(&json);
         assert_eq!(e.kind, RejectKind::InvalidField, "{json}: {e}");
         let named = field.trim_start_matches('$');
-        assert!(e.message.contains(named), "{json}: message {e} does not name {field}");
+        assert!(
+            e.message.contains(named),
+            "{json}: message {e} does not name {field}"
+        );
     }
 }
 
 #[test]
 fn zero_price_and_negative_zero_are_allowed() {
     assert!(ok(&with("price", Some("0"))).doc.get("price").is_some());
-    assert!(ok(&with("price", Some(r#""-0.00""#))).doc.get("price").is_some());
+    assert!(ok(&with("price", Some(r#""-0.00""#)))
+        .doc
+        .get("price")
+        .is_some());
 }
 
 #[test]
 fn cli_customer_ids_parse_like_the_json_ones() {
     assert_eq!(CustomerId::parse_cli("123").unwrap(), CustomerId::Int(123));
-    assert_eq!(CustomerId::parse_cli("0123").unwrap(), CustomerId::Str("0123".into()));
-    assert_eq!(CustomerId::parse_cli("ab-1").unwrap(), CustomerId::Str("ab-1".into()));
+    assert_eq!(
+        CustomerId::parse_cli("0123").unwrap(),
+        CustomerId::Str("0123".into())
+    );
+    assert_eq!(
+        CustomerId::parse_cli("ab-1").unwrap(),
+        CustomerId::Str("ab-1".into())
+    );
     assert!(CustomerId::parse_cli("a_b").is_err());
 }
 

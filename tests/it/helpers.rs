@@ -63,9 +63,14 @@ pub fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
 pub async fn create_topic(brokers: &str, name: &str, partitions: i32) {
     let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
     let results = admin(brokers)
-        .create_topics([&topic], &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))))
+        .create_topics(
+            [&topic],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
         .await
-        .unwrap_or_else(|e| panic!("cannot reach Kafka at {brokers} ({e}); start it with scripts/stack start"));
+        .unwrap_or_else(|e| {
+            panic!("cannot reach Kafka at {brokers} ({e}); start it with scripts/stack start")
+        });
     for r in results {
         r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
     }
@@ -152,9 +157,13 @@ impl TestEnv {
         for m in messages {
             let mut headers = OwnedHeaders::new();
             for (k, v) in &m.headers {
-                headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
+                headers = headers.insert(Header {
+                    key: k,
+                    value: Some(v.as_bytes()),
+                });
             }
-            let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&self.topic).headers(headers);
+            let mut record: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(&self.topic).headers(headers);
             if let Some(k) = &m.key {
                 record = record.key(k.as_bytes());
             }
@@ -179,7 +188,9 @@ impl TestEnv {
         let messages: Vec<Produced> = events
             .iter()
             .map(|e| Produced {
-                key: e.get("customerId").map(|c| c.to_string().trim_matches('"').to_string()),
+                key: e
+                    .get("customerId")
+                    .map(|c| c.to_string().trim_matches('"').to_string()),
                 payload: Some(e.to_string().into_bytes()),
                 ..Produced::default()
             })
@@ -208,10 +219,15 @@ impl TestEnv {
         committed
             .elements()
             .iter()
-            .map(|e| (e.partition(), match e.offset() {
-                Offset::Offset(o) => o,
-                _ => 0,
-            }))
+            .map(|e| {
+                (
+                    e.partition(),
+                    match e.offset() {
+                        Offset::Offset(o) => o,
+                        _ => 0,
+                    },
+                )
+            })
             .collect()
     }
 
@@ -355,7 +371,11 @@ impl WorkerProcess {
             .envs(vars)
             .env("TRADEBUCKET__LOG__FORMAT", "text")
             .stdout(Stdio::null())
-            .stderr(if std::env::var_os("TEST_LOG").is_some() { Stdio::inherit() } else { Stdio::null() })
+            .stderr(if std::env::var_os("TEST_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
             .spawn()
             .expect("start tradebucket");
         WorkerProcess { child }
@@ -394,7 +414,13 @@ impl WorkerProcess {
 }
 
 /// A trade event as JSON.
-pub fn trade(id: &str, customer: serde_json::Value, ticker: &str, qty: u32, date: &str) -> serde_json::Value {
+pub fn trade(
+    id: &str,
+    customer: serde_json::Value,
+    ticker: &str,
+    qty: u32,
+    date: &str,
+) -> serde_json::Value {
     serde_json::json!({
         "tradeId": id, "customerId": customer, "type": "buy", "ticker": ticker,
         "qty": qty, "price": "10.50", "currency": "USD", "date": date,
@@ -405,8 +431,14 @@ pub fn trade(id: &str, customer: serde_json::Value, ticker: &str, qty: u32, date
 pub async fn audit_clean(env: &TestEnv, capacity: u32) -> tradebucket::cli::AuditReport {
     let cap = capacity.to_string();
     let settings = env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", &cap)]);
-    let report = tradebucket::cli::audit(&settings, None).await.expect("audit");
-    assert!(report.violations.is_empty(), "audit violations: {:#?}", report.violations);
+    let report = tradebucket::cli::audit(&settings, None)
+        .await
+        .expect("audit");
+    assert!(
+        report.violations.is_empty(),
+        "audit violations: {:#?}",
+        report.violations
+    );
     report
 }
 
@@ -422,16 +454,27 @@ pub struct PrivateMongo {
 impl PrivateMongo {
     pub fn binary() -> std::path::PathBuf {
         let tools = std::env::var("TRADEBUCKET_TOOLS").unwrap_or_else(|_| {
-            format!("{}/.cache/tradebucket/tools", std::env::var("HOME").unwrap_or_default())
+            format!(
+                "{}/.cache/tradebucket/tools",
+                std::env::var("HOME").unwrap_or_default()
+            )
         });
         std::path::PathBuf::from(tools).join("secantus-0.5.3-beta.196/bin/secantusd-rs")
     }
 
     pub async fn start() -> PrivateMongo {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let dir = std::env::temp_dir().join(unique("mongo"));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut m = PrivateMongo { port, dir, child: None };
+        let mut m = PrivateMongo {
+            port,
+            dir,
+            child: None,
+        };
         m.restart().await;
         m
     }
@@ -444,16 +487,32 @@ impl PrivateMongo {
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "already running");
         let child = Command::new(Self::binary())
-            .args(["--host", "127.0.0.1", "--port", &self.port.to_string(), "--storage-path"])
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &self.port.to_string(),
+                "--storage-path",
+            ])
             .arg(&self.dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("start {:?}: {e} (scripts/stack install builds it)", Self::binary()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "start {:?}: {e} (scripts/stack install builds it)",
+                    Self::binary()
+                )
+            });
         self.child = Some(child);
         let client = mongodb::Client::with_uri_str(self.uri()).await.unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
-        while client.database("admin").run_command(doc! {"ping": 1}).await.is_err() {
+        while client
+            .database("admin")
+            .run_command(doc! {"ping": 1})
+            .await
+            .is_err()
+        {
             assert!(Instant::now() < deadline, "private MongoDB did not come up");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -463,7 +522,10 @@ impl PrivateMongo {
     /// kill -9 (STACK.md), which would test the surrogate, not us.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(child.id().to_string())
+                .status();
             let deadline = Instant::now() + Duration::from_secs(30);
             while child.try_wait().unwrap().is_none() {
                 if Instant::now() > deadline {

@@ -3,5 +3,5 @@
 
 mod helpers;
 
-mod plumbing;
 mod pipeline;
+mod plumbing;

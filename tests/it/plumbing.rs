@@ -43,14 +43,28 @@ async fn kafka_and_mongodb_round_trip() {
     // every outstanding message to be released.
     drop(m);
     let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&env.topic, 0, Offset::Offset(next)).unwrap();
+    tpl.add_partition_offset(&env.topic, 0, Offset::Offset(next))
+        .unwrap();
     consumer.commit(&tpl, CommitMode::Sync).unwrap();
     drop(consumer);
-    assert_eq!(env.committed().get(&0), Some(&1), "manual commit is visible to the group");
+    assert_eq!(
+        env.committed().get(&0),
+        Some(&1),
+        "manual commit is visible to the group"
+    );
 
     let store = env.store().await;
-    store.collection().insert_one(doc! {"_id": "x", "payload": "hello"}).await.unwrap();
-    let back = store.collection().find_one(doc! {"_id": "x"}).await.unwrap().unwrap();
+    store
+        .collection()
+        .insert_one(doc! {"_id": "x", "payload": "hello"})
+        .await
+        .unwrap();
+    let back = store
+        .collection()
+        .find_one(doc! {"_id": "x"})
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(back.get_str("payload").unwrap(), "hello");
     env.cleanup().await;
 }

@@ -29,7 +29,10 @@ fn ids_are_ten_digit_seconds_and_parse_back() {
     assert_eq!(format_bucket_id("7_", 5, 0), "7_0000000005");
     assert_eq!(format_bucket_id("7_", 5, 3), "7_0000000005_000003");
     assert_eq!(parse_bucket_id("7_", "7_0000000005_000003"), Some((5, 3)));
-    assert_eq!(parse_bucket_id("123_", "123_1698335223"), Some((1_698_335_223, 0)));
+    assert_eq!(
+        parse_bucket_id("123_", "123_1698335223"),
+        Some((1_698_335_223, 0))
+    );
     assert_eq!(parse_bucket_id("123_", "123_99"), None);
     assert_eq!(parse_bucket_id("123_", "1234_1698335223"), None);
     assert_eq!(parse_bucket_id("123_", "123_1698335223_1"), None);
@@ -40,9 +43,19 @@ fn next_position_always_sorts_after_the_previous_bucket() {
     assert_eq!(next_bucket_position(None, 10), Some((10, 0)));
     assert_eq!(next_bucket_position(Some((10, 0)), 11), Some((11, 0)));
     assert_eq!(next_bucket_position(Some((10, 0)), 10), Some((10, 1)));
-    assert_eq!(next_bucket_position(Some((10, 4)), 3), Some((10, 5)), "late data");
-    assert_eq!(next_bucket_position(Some((10, MAX_SUFFIX)), 3), Some((11, 0)));
-    assert_eq!(next_bucket_position(Some((MAX_EPOCH_SECONDS, MAX_SUFFIX)), 3), None);
+    assert_eq!(
+        next_bucket_position(Some((10, 4)), 3),
+        Some((10, 5)),
+        "late data"
+    );
+    assert_eq!(
+        next_bucket_position(Some((10, MAX_SUFFIX)), 3),
+        Some((11, 0))
+    );
+    assert_eq!(
+        next_bucket_position(Some((MAX_EPOCH_SECONDS, MAX_SUFFIX)), 3),
+        None
+    );
 }
 
 proptest! {
@@ -70,7 +83,11 @@ fn the_manual_example_fills_one_bucket_per_customer() {
         .iter()
         .zip(&sources)
         .enumerate()
-        .map(|(index, (trade, source))| Event { index, trade, source })
+        .map(|(index, (trade, source))| Event {
+            index,
+            trade,
+            source,
+        })
         .collect();
     let plan = plan_customer(&CustomerId::Int(123), None, &events, &HashSet::new(), 10);
     assert!(plan.fill.is_none());
@@ -94,15 +111,27 @@ fn fills_the_open_bucket_then_opens_successors_in_order() {
     };
     // 5 events, same second as the head: 2 fill it, 3 open a successor
     // that must sort after it despite the equal second.
-    let trades: Vec<Trade> = (0..5).map(|i| trade(5, &format!("k{}", i + 1), 100, "A")).collect();
+    let trades: Vec<Trade> = (0..5)
+        .map(|i| trade(5, &format!("k{}", i + 1), 100, "A"))
+        .collect();
     let sources: Vec<Source> = (10..15).map(|o| src(0, o)).collect();
     let events: Vec<Event<'_>> = trades
         .iter()
         .zip(&sources)
         .enumerate()
-        .map(|(index, (trade, source))| Event { index, trade, source })
+        .map(|(index, (trade, source))| Event {
+            index,
+            trade,
+            source,
+        })
         .collect();
-    let plan = plan_customer(&CustomerId::Int(5), Some(&head), &events, &HashSet::new(), 10);
+    let plan = plan_customer(
+        &CustomerId::Int(5),
+        Some(&head),
+        &events,
+        &HashSet::new(),
+        10,
+    );
     let fill = plan.fill.as_ref().unwrap();
     assert_eq!(fill.expected_count, 8);
     assert_eq!(fill.events, vec![0, 1]);
@@ -134,12 +163,23 @@ fn skips_what_the_watermark_and_keys_say_is_stored() {
         trade(5, "new", 103, "A"), // upstream duplicate within the batch
         trade(5, "other-part", 104, "B"),
     ];
-    let sources = [src(0, 20), src(0, 21), src(0, 22), src(0, 23), src(0, 24), src(1, 3)];
+    let sources = [
+        src(0, 20),
+        src(0, 21),
+        src(0, 22),
+        src(0, 23),
+        src(0, 24),
+        src(1, 3),
+    ];
     let events: Vec<Event<'_>> = trades
         .iter()
         .zip(&sources)
         .enumerate()
-        .map(|(index, (trade, source))| Event { index, trade, source })
+        .map(|(index, (trade, source))| Event {
+            index,
+            trade,
+            source,
+        })
         .collect();
     let elsewhere: HashSet<String> = ["dup-elsewhere".to_string()].into_iter().collect();
     let plan = plan_customer(&CustomerId::Int(5), Some(&head), &events, &elsewhere, 10);
@@ -165,7 +205,11 @@ fn a_foreign_newest_bucket_makes_events_unplaceable_not_misplaced() {
     let plan = plan_customer(
         &CustomerId::Int(5),
         Some(&head),
-        &[Event { index: 0, trade: &t, source: &s }],
+        &[Event {
+            index: 0,
+            trade: &t,
+            source: &s,
+        }],
         &HashSet::new(),
         10,
     );
@@ -195,7 +239,11 @@ struct Model {
 impl Model {
     fn head(&self, customer: &CustomerId) -> Option<BucketHead> {
         let prefix = id_prefix(customer);
-        let (id, b) = self.docs.range(prefix.clone()..).take_while(|(k, _)| k.starts_with(&prefix)).last()?;
+        let (id, b) = self
+            .docs
+            .range(prefix.clone()..)
+            .take_while(|(k, _)| k.starts_with(&prefix))
+            .last()?;
         Some(BucketHead {
             id: id.clone(),
             customer: customer.to_bson(),
@@ -206,11 +254,17 @@ impl Model {
     }
 
     fn key_exists(&self, key: &str) -> bool {
-        self.docs.values().any(|b| b.history.iter().any(|k| k == key))
+        self.docs
+            .values()
+            .any(|b| b.history.iter().any(|k| k == key))
     }
 
     fn fill(&mut self, f: &Fill, keys: &[String]) -> bool {
-        if keys.iter().any(|k| self.docs.iter().any(|(id, b)| *id != f.bucket_id && b.history.contains(k))) {
+        if keys.iter().any(|k| {
+            self.docs
+                .iter()
+                .any(|(id, b)| *id != f.bucket_id && b.history.contains(k))
+        }) {
             return false;
         }
         match self.docs.get_mut(&f.bucket_id) {
@@ -256,14 +310,28 @@ fn write_batch(
 ) -> bool {
     let mut by_customer: BTreeMap<CustomerId, Vec<Event<'_>>> = BTreeMap::new();
     for (index, (trade, source)) in batch.iter().enumerate() {
-        by_customer.entry(trade.customer.clone()).or_default().push(Event { index, trade, source });
+        by_customer
+            .entry(trade.customer.clone())
+            .or_default()
+            .push(Event {
+                index,
+                trade,
+                source,
+            });
     }
     for (customer, events) in by_customer {
         let mut elsewhere = HashSet::new();
         for _round in 0..100 {
-            let head = cache.entry(customer.clone()).or_insert_with(|| model.head(&customer)).clone();
+            let head = cache
+                .entry(customer.clone())
+                .or_insert_with(|| model.head(&customer))
+                .clone();
             let plan = plan_customer(&customer, head.as_ref(), &events, &elsewhere, capacity);
-            let keys_of = |idx: &[usize]| idx.iter().map(|&i| batch[i].0.key.clone()).collect::<Vec<_>>();
+            let keys_of = |idx: &[usize]| {
+                idx.iter()
+                    .map(|&i| batch[i].0.key.clone())
+                    .collect::<Vec<_>>()
+            };
             let mut ok = true;
             let ops = usize::from(plan.fill.is_some()) + plan.new_buckets.len();
             if let Some(b) = budget.as_mut() {
@@ -334,7 +402,12 @@ fn stream_strategy() -> impl Strategy<Value = Vec<(Trade, Source)>> {
                 let offset = next_offset[p as usize];
                 next_offset[p as usize] += 1;
                 // Key ids repeat: upstream duplicates of the same trade.
-                let t = trade(c, &format!("t:{c}-{k}"), secs, if k % 2 == 0 { "A" } else { "B" });
+                let t = trade(
+                    c,
+                    &format!("t:{c}-{k}"),
+                    secs,
+                    if k % 2 == 0 { "A" } else { "B" },
+                );
                 (t, src(p, offset))
             })
             .collect()
@@ -354,7 +427,11 @@ fn check_invariants(model: &Model, capacity: u32) {
             assert_eq!(b.prev, prev, "chain broken at {id}");
             assert!(b.history.len() as u32 <= capacity);
             if i + 1 < buckets.len() {
-                assert_eq!(b.history.len() as u32, capacity, "{id} not full but not newest");
+                assert_eq!(
+                    b.history.len() as u32,
+                    capacity,
+                    "{id} not full but not newest"
+                );
             }
             for k in &b.history {
                 assert!(all_keys.insert(k.clone()), "duplicate {k}");
