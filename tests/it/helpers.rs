@@ -556,3 +556,92 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A Kafka-protocol broker of this test's own (Tansu, sqlite storage), for
+/// tests that kill and restart the broker on the same data.
+pub struct PrivateKafka {
+    pub port: u16,
+    dir: std::path::PathBuf,
+    child: Option<Child>,
+}
+
+impl PrivateKafka {
+    fn binary() -> std::path::PathBuf {
+        PrivateMongo::binary()
+            .parent()
+            .and_then(|p| p.parent())
+            .and_then(|p| p.parent())
+            .expect("tools dir")
+            .join("tansu-0.6.0/bin/tansu")
+    }
+
+    pub async fn start() -> PrivateKafka {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(unique("kafka"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut k = PrivateKafka {
+            port,
+            dir,
+            child: None,
+        };
+        k.restart().await;
+        k
+    }
+
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the broker on the same port and data; waits until it answers.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        // The sqlite path is relative to the working directory (STACK.md).
+        let child = Command::new(Self::binary())
+            .current_dir(&self.dir)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .args(["--storage-engine", "sqlite://tansu.db"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {:?}: {e}", Self::binary()));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let probe: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", self.brokers())
+                .create()
+                .expect("client");
+            if probe.fetch_metadata(None, Duration::from_secs(2)).is_ok() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "private Kafka did not come up");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// kill -9, and wait until the process is gone (the port is free).
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateKafka {
+    fn drop(&mut self) {
+        self.kill9();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -564,3 +564,35 @@ async fn a_rebalance_mid_stream_loses_and_doubles_nothing() {
     assert_eq!(env.histories().await, expected_histories(&events));
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_broker_crash_and_restart_heals_without_loss_or_duplicates() {
+    let mut kafka = PrivateKafka::start().await;
+    let base = unique("broker");
+    let env = TestEnv {
+        kafka: kafka.brokers(),
+        mongo_uri: mongodb_uri(),
+        db: base.replace('-', "_"),
+        topic: format!("{base}.trades"),
+        dlq: format!("{base}.trades.dlq"),
+        group: format!("{base}-group"),
+        partitions: 2,
+    };
+    create_topic(&env.kafka, &env.topic, 2).await;
+    create_topic(&env.kafka, &env.dlq, 1).await;
+    let events = stream(71, 2000, 30);
+    env.produce_json(&events[..1000]).await;
+    let worker = Worker::spawn(env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "5")]));
+    env.wait_committed_to_end(T).await;
+    kafka.kill9();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    kafka.restart().await;
+    env.produce_json(&events[1000..]).await;
+    env.wait_committed_to_end(T).await;
+    worker.stop().await;
+    let report = audit_clean(&env, 5).await;
+    assert_eq!(report.trades, 2000);
+    assert_eq!(env.histories().await, expected_histories(&events));
+    let store = env.store().await;
+    let _ = store.client().database(&env.db).drop().await;
+}
