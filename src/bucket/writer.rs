@@ -18,10 +18,11 @@ use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 use crate::metrics::Metrics;
 
-/// A conflict is resolved by one reload; this many rounds without progress
-/// means something keeps writing the same customers (a zombie that will not
-/// die): give the batch back to the retry loop, which backs off.
-const MAX_ROUNDS: usize = 32;
+/// A conflict is resolved by one reload; this many rounds in a row that
+/// settle no event mean something keeps writing the same customers (a
+/// zombie that will not die): give the batch back to the retry loop, which
+/// backs off.
+const MAX_STALLED_ROUNDS: usize = 32;
 
 /// The fate of one event of a batch.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,12 +117,14 @@ impl BucketWriter {
             ..WriteStats::default()
         };
         let mut elsewhere: HashMap<CustomerId, HashSet<String>> = HashMap::new();
+        let mut isolate: HashSet<CustomerId> = HashSet::new();
         let result = self
             .rounds(
                 events,
                 outcomes,
                 &mut by_customer,
                 &mut elsewhere,
+                &mut isolate,
                 &mut stats,
             )
             .await;
@@ -141,13 +144,16 @@ impl BucketWriter {
         outcomes: &mut [Outcome],
         pending: &mut BTreeMap<CustomerId, Vec<usize>>,
         elsewhere: &mut HashMap<CustomerId, HashSet<String>>,
+        isolate: &mut HashSet<CustomerId>,
         stats: &mut WriteStats,
     ) -> Result<(), StoreError> {
+        let mut stalled = 0;
         while !pending.is_empty() {
             stats.rounds += 1;
-            if stats.rounds > MAX_ROUNDS {
+            let settled_before = outcomes.iter().filter(|o| o.is_final()).count();
+            if stalled > MAX_STALLED_ROUNDS {
                 return Err(StoreError::Failed(format!(
-                    "{} customers still conflicting after {MAX_ROUNDS} rounds",
+                    "{} customers still conflicting after {MAX_STALLED_ROUNDS} rounds without progress",
                     pending.len()
                 )));
             }
@@ -158,7 +164,7 @@ impl BucketWriter {
             let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(pending.len());
             for (customer, idx) in pending.iter() {
                 let head = self.cache.get(customer).cloned().flatten();
-                let evs: Vec<Event<'_>> = idx
+                let mut evs: Vec<Event<'_>> = idx
                     .iter()
                     .filter(|&&i| !outcomes[i].is_final())
                     .map(|&i| Event {
@@ -167,6 +173,12 @@ impl BucketWriter {
                         source: &events[i].1,
                     })
                     .collect();
+                // After MongoDB refused one of this customer's writes, go
+                // one event per operation, so only the offending event is
+                // dead-lettered, not the good ones that shared its write.
+                if isolate.contains(customer) {
+                    evs.truncate(1);
+                }
                 let known = elsewhere.get(customer).unwrap_or(&no_keys);
                 let plan = plan_customer(customer, head.as_ref(), &evs, known, self.capacity);
                 settle(outcomes, &plan.already_applied, Outcome::AlreadyApplied);
@@ -181,13 +193,15 @@ impl BucketWriter {
                 plans.push((customer.clone(), plan));
             }
             plans.retain(|(customer, plan)| {
-                if !plan.has_writes() {
+                // Without writes every planned event is settled; an isolated
+                // customer may still have events after the one planned.
+                if !plan.has_writes() && idx_all_final(pending.get(customer), outcomes) {
                     pending.remove(customer);
                 }
                 plan.has_writes()
             });
             if plans.is_empty() {
-                break;
+                continue;
             }
 
             let mut conflicted: Vec<CustomerId> = Vec::new();
@@ -219,7 +233,7 @@ impl BucketWriter {
                         conflicted.push(plans[p].0.clone());
                     } else {
                         let fill = plans[p].1.fill.as_ref().expect("filtered");
-                        reject_all(outcomes, &fill.events, &e.message);
+                        refused(outcomes, isolate, &plans[p].0, &fill.events, &e.message);
                         stale.push(plans[p].0.clone());
                     }
                 }
@@ -271,7 +285,7 @@ impl BucketWriter {
                             conflicted.push(plans[p].0.clone());
                         } else {
                             let nb = &plans[p].1.new_buckets[b];
-                            reject_all(outcomes, &nb.events, &e.message);
+                            refused(outcomes, isolate, &plans[p].0, &nb.events, &e.message);
                             stale.push(plans[p].0.clone());
                         }
                         // Later customers were not attempted: plan them again.
@@ -296,13 +310,23 @@ impl BucketWriter {
             for (p, (customer, plan)) in plans.iter().enumerate() {
                 if fill_ok[p] && !unsettled.contains(customer) {
                     self.cache.put(customer.clone(), plan.after.clone());
-                    pending.remove(customer);
+                    // An isolated customer wrote one event: more may wait.
+                    let done = idx_all_final(pending.get(customer), outcomes);
+                    if done || !isolate.contains(customer) {
+                        pending.remove(customer);
+                    }
                 }
             }
             for customer in unsettled {
                 self.cache.pop(customer);
             }
             stats.conflicts += conflicted.len();
+            let settled_after = outcomes.iter().filter(|o| o.is_final()).count();
+            stalled = if settled_after > settled_before {
+                0
+            } else {
+                stalled + 1
+            };
             if !conflicted.is_empty() {
                 self.learn_stored_keys(events, outcomes, pending, &conflicted, elsewhere)
                     .await?;
@@ -398,13 +422,30 @@ fn settle(outcomes: &mut [Outcome], idx: &[usize], outcome: Outcome) {
     }
 }
 
-fn reject_all(outcomes: &mut [Outcome], idx: &[usize], message: &str) {
-    settle(
-        outcomes,
-        idx,
-        Outcome::DeadLetter(Reject::new(
-            RejectKind::Rejected,
-            format!("MongoDB refused the bucket write: {message}"),
-        )),
-    );
+fn idx_all_final(idx: Option<&Vec<usize>>, outcomes: &[Outcome]) -> bool {
+    idx.is_none_or(|idx| idx.iter().all(|&i| outcomes[i].is_final()))
+}
+
+/// MongoDB refused a write permanently. A single event is the culprit and is
+/// dead-lettered; with several, the customer switches to one event per
+/// write to find which.
+fn refused(
+    outcomes: &mut [Outcome],
+    isolate: &mut HashSet<CustomerId>,
+    customer: &CustomerId,
+    idx: &[usize],
+    message: &str,
+) {
+    if idx.len() == 1 {
+        settle(
+            outcomes,
+            idx,
+            Outcome::DeadLetter(Reject::new(
+                RejectKind::Rejected,
+                format!("MongoDB refused the bucket write: {message}"),
+            )),
+        );
+    } else {
+        isolate.insert(customer.clone());
+    }
 }

@@ -596,3 +596,51 @@ async fn a_broker_crash_and_restart_heals_without_loss_or_duplicates() {
     let store = env.store().await;
     let _ = store.client().database(&env.db).drop().await;
 }
+
+#[tokio::test]
+async fn a_write_mongodb_refuses_dead_letters_only_the_offending_events() {
+    let env = TestEnv::new("refused", 1).await;
+    // A collection validator stands in for any permanent per-document
+    // refusal: trades with ticker BAD are refused by the server.
+    let store = env.store().await;
+    store
+        .client()
+        .database(&env.db)
+        .run_command(doc! {"create": "trades", "validator": {"history.ticker": {"$ne": "BAD"}}})
+        .await
+        .unwrap();
+    let mut events = stream(81, 60, 2);
+    for i in [5, 6, 31, 59] {
+        events[i]["ticker"] = json!("BAD");
+    }
+    env.produce_json(&events).await;
+    let worker = Worker::spawn(env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "4")]));
+    env.wait_committed_to_end(T).await;
+    worker.stop().await;
+
+    let dl = env.dead_letters(4, T).await;
+    assert_eq!(dl.len(), 4);
+    for m in &dl {
+        let kind = m
+            .headers()
+            .unwrap()
+            .iter()
+            .find(|h| h.key == "tradebucket.error.kind")
+            .unwrap();
+        assert_eq!(kind.value, Some(&b"rejected_by_database"[..]));
+        let e: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
+        assert_eq!(e["ticker"], "BAD");
+    }
+    let good: Vec<serde_json::Value> = events
+        .iter()
+        .filter(|e| e["ticker"] != "BAD")
+        .cloned()
+        .collect();
+    assert_eq!(
+        env.histories().await,
+        expected_histories(&good),
+        "every good trade stored, in order"
+    );
+    audit_clean(&env, 4).await;
+    env.cleanup().await;
+}
