@@ -330,10 +330,12 @@ pub struct Produced {
     pub headers: Vec<(String, String)>,
 }
 
-/// A worker running in this process, stopped through its token.
+/// A worker running in this process, stopped through its token; its
+/// metrics are readable by the test.
 pub struct Worker {
     token: CancellationToken,
-    handle: tokio::task::JoinHandle<anyhow::Result<()>>,
+    handle: tokio::task::JoinHandle<()>,
+    pub metrics: tradebucket::metrics::Metrics,
 }
 
 impl Worker {
@@ -345,17 +347,31 @@ impl Worker {
                 .try_init();
         }
         let token = CancellationToken::new();
-        let handle = tokio::spawn(tradebucket::pipeline::run(settings, token.clone()));
-        Worker { token, handle }
+        let metrics = tradebucket::metrics::Metrics::new();
+        let (t, m) = (token.clone(), metrics.clone());
+        let handle = tokio::spawn(async move {
+            let health = std::sync::Arc::new(tradebucket::pipeline::Health::default());
+            let pipeline = tradebucket::pipeline::Pipeline::build(settings, m, health, &t)
+                .await
+                .expect("worker starts");
+            if let Some(p) = pipeline {
+                p.run(t).await;
+            }
+        });
+        Worker {
+            token,
+            handle,
+            metrics,
+        }
     }
 
-    pub async fn stop(self) {
+    pub async fn stop(self) -> tradebucket::metrics::Metrics {
         self.token.cancel();
         tokio::time::timeout(Duration::from_secs(30), self.handle)
             .await
             .expect("worker stops within 30 s")
-            .expect("worker task")
-            .expect("worker result");
+            .expect("worker task");
+        self.metrics
     }
 }
 

@@ -270,7 +270,20 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_never_blocks() {
     let offsets = env.produce(&messages).await;
     let worker = Worker::spawn(env.settings(&[]));
     env.wait_committed_to_end(T).await;
-    worker.stop().await;
+    let metrics = worker.stop().await;
+    // Counted, by reason.
+    let dead = |reason: &str| {
+        metrics
+            .events_dead_lettered
+            .with_label_values(&[reason])
+            .get()
+    };
+    assert_eq!(dead("invalid_field"), 3);
+    for reason in ["not_json", "missing_field", "not_utf8", "empty", "oversize"] {
+        assert_eq!(dead(reason), 1, "{reason}");
+    }
+    assert_eq!(metrics.events_written.get(), bad.len() as u64);
+    assert_eq!(metrics.events_consumed.get(), 2 * bad.len() as u64);
 
     let dl = env.dead_letters(bad.len(), T).await;
     assert_eq!(dl.len(), bad.len());
