@@ -258,21 +258,32 @@ pub async fn audit(
     Ok(report)
 }
 
-/// What `produce` generates.
-#[derive(Debug, Clone)]
+/// What `produce` generates (also the `produce` command's flags).
+#[derive(Debug, Clone, clap::Args)]
 pub struct ProduceOptions {
-    pub topic: String,
+    /// Topic; defaults to the first of kafka.topics.
+    #[arg(long)]
+    pub topic: Option<String>,
+    #[arg(long, default_value_t = 1000)]
     pub count: u64,
+    #[arg(long, default_value_t = 100)]
     pub customers: u64,
-    /// Zipf-like skew: a few customers get most trades.
+    /// Give a few customers most of the trades.
+    #[arg(long)]
     pub skewed: bool,
+    /// Number of distinct tickers (1-20).
+    #[arg(long, default_value_t = 8)]
     pub tickers: usize,
-    /// Events per second; 0 is as fast as the broker takes them.
+    /// Events per second; 0 means as fast as possible.
+    #[arg(long, default_value_t = 0)]
     pub rate: u64,
+    #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Key messages by customer (the friendly default).
-    pub keyed: bool,
-    /// First trade id number, so runs can append without reusing ids.
+    /// Do not key messages by customer (customers spread over partitions).
+    #[arg(long)]
+    pub no_keys: bool,
+    /// Number of the first trade id, to continue an earlier run.
+    #[arg(long, default_value_t = 0)]
     pub first_id: u64,
 }
 
@@ -315,12 +326,12 @@ pub fn synthetic_event(
     (json.to_string(), customer.to_string())
 }
 
-/// Produces synthetic trades; returns (sent, seconds).
+/// Produces synthetic trades; returns (topic, sent, seconds).
 pub async fn produce(
     settings: &Settings,
     opts: &ProduceOptions,
     progress: bool,
-) -> Result<(u64, f64), CliError> {
+) -> Result<(String, u64, f64), CliError> {
     let mut c = admin_config(settings);
     c.set("enable.idempotence", "true")
         .set("linger.ms", "20")
@@ -328,6 +339,10 @@ pub async fn produce(
         .set("queue.buffering.max.messages", "200000")
         .set("message.timeout.ms", "60000");
     let producer: FutureProducer = c.create()?;
+    let topic = opts
+        .topic
+        .clone()
+        .unwrap_or_else(|| settings.kafka.topics[0].clone());
     let mut rng = StdRng::seed_from_u64(opts.seed);
     let base_ms = 1_700_000_000_000i64;
     let started = Instant::now();
@@ -343,8 +358,8 @@ pub async fn produce(
         }
         let (json, key) = synthetic_event(&mut rng, n, opts, base_ms);
         let producer = &producer;
-        let topic = opts.topic.as_str();
-        let keyed = opts.keyed;
+        let topic = topic.as_str();
+        let keyed = !opts.no_keys;
         in_flight.push(async move {
             let mut record: FutureRecord<'_, str, str> = FutureRecord::to(topic).payload(&json);
             if keyed {
@@ -373,19 +388,7 @@ pub async fn produce(
     if progress {
         eprintln!("\rproduced {}/{}", opts.count, opts.count);
     }
-    Ok((opts.count, started.elapsed().as_secs_f64()))
-}
-
-/// For tests and tools: every bucket of one customer, in page order.
-pub async fn customer_buckets(
-    store: &BucketStore,
-    customer: &CustomerId,
-) -> Result<Vec<Document>, CliError> {
-    Ok(store
-        .collection()
-        .find(prefix_range(customer))
-        .sort(doc! {"_id": 1})
-        .await?
-        .try_collect()
-        .await?)
+    // Every send is acknowledged; release their borrow of `topic`.
+    drop(in_flight);
+    Ok((topic, opts.count, started.elapsed().as_secs_f64()))
 }

@@ -54,32 +54,7 @@ enum Command {
         customer: Option<String>,
     },
     /// Produce synthetic trade events (demo and load).
-    Produce {
-        /// Topic; defaults to the first of kafka.topics.
-        #[arg(long)]
-        topic: Option<String>,
-        #[arg(long, default_value_t = 1000)]
-        count: u64,
-        #[arg(long, default_value_t = 100)]
-        customers: u64,
-        /// Give a few customers most of the trades.
-        #[arg(long)]
-        skewed: bool,
-        /// Number of distinct tickers (1-20).
-        #[arg(long, default_value_t = 8)]
-        tickers: usize,
-        /// Events per second; 0 means as fast as possible.
-        #[arg(long, default_value_t = 0)]
-        rate: u64,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Do not key messages by customer (customers spread over partitions).
-        #[arg(long)]
-        no_keys: bool,
-        /// Number of the first trade id, to continue an earlier run.
-        #[arg(long, default_value_t = 0)]
-        first_id: u64,
-    },
+    Produce(ProduceOptions),
     /// Print the effective configuration (secrets redacted); exits 64 if invalid.
     CheckConfig,
 }
@@ -199,33 +174,12 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
                 return Ok(ExitCode::FAILURE);
             }
         }
-        Command::Produce {
-            topic,
-            count,
-            customers,
-            skewed,
-            tickers,
-            rate,
-            seed,
-            no_keys,
-            first_id,
-        } => {
-            let opts = ProduceOptions {
-                topic: topic.unwrap_or_else(|| settings.kafka.topics[0].clone()),
-                count,
-                customers,
-                skewed,
-                tickers,
-                rate,
-                seed,
-                keyed: !no_keys,
-                first_id,
-            };
-            let (sent, secs) =
+        Command::Produce(opts) => {
+            let (topic, sent, secs) =
                 cli::produce(&settings, &opts, std::io::stderr().is_terminal()).await?;
             println!(
-                "produced {sent} trades for {customers} customers to {} in {secs:.2} s ({:.0} events/s)",
-                opts.topic,
+                "produced {sent} trades for {} customers to {topic} in {secs:.2} s ({:.0} events/s)",
+                opts.customers,
                 sent as f64 / secs.max(1e-9)
             );
         }

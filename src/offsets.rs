@@ -65,13 +65,6 @@ impl OffsetTracker {
         }
     }
 
-    /// The partition was revoked (or its buffered messages dropped): forget
-    /// it; the next owner resumes from the last commit.
-    pub fn forget(&mut self, tp: &TopicPartition) {
-        self.parts.remove(tp);
-        self.start.remove(tp);
-    }
-
     /// Keeps only the partitions `keep` accepts (the current assignment).
     pub fn retain(&mut self, mut keep: impl FnMut(&TopicPartition) -> bool) {
         self.parts.retain(|tp, _| keep(tp));
@@ -92,12 +85,6 @@ impl OffsetTracker {
             }
         }
         out
-    }
-
-    /// The offset a commit right now would name, without handing it out.
-    pub fn committable(&self, tp: &TopicPartition) -> Option<i64> {
-        let start = self.start.get(tp).copied().unwrap_or(i64::MIN);
-        self.parts.get(tp)?.next(start)
     }
 
     /// Events consumed and not yet handled, over all partitions.
@@ -146,14 +133,14 @@ mod tests {
     }
 
     #[test]
-    fn partitions_are_independent_and_forgettable() {
+    fn partitions_are_independent_and_can_be_dropped() {
         let mut t = OffsetTracker::new();
         t.consumed(&tp(0), 0);
         t.consumed(&tp(1), 0);
         t.handled(&tp(1), 0);
         assert_eq!(t.take_commits(), vec![(tp(1), 1)]);
         assert_eq!(t.in_flight(), 1);
-        t.forget(&tp(0));
+        t.retain(|p| *p != tp(0));
         assert_eq!(t.in_flight(), 0);
         t.handled(&tp(0), 0); // late completion after revoke: ignored
         assert!(t.take_commits().is_empty());

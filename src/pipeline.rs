@@ -362,6 +362,7 @@ impl Pipeline {
             dead_lettered = dead.len(),
             customers = stats.customers,
             rounds = stats.rounds,
+            heads_loaded = stats.heads_loaded,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "batch committed"
         );

@@ -132,12 +132,6 @@ impl BucketStore {
         &self.client
     }
 
-    /// A cheap round trip: is the server there and answering?
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        self.db.run_command(doc! {"ping": 1}).await?;
-        Ok(())
-    }
-
     /// Creates the indexes the guarantees rest on. Idempotent.
     pub async fn init(&self) -> Result<(), StoreError> {
         let unique = |name: &str, field: &str| {
@@ -335,8 +329,8 @@ fn write_concern_doc(wc: &WriteConcern) -> Document {
     d
 }
 
-/// `(matched, statement errors)` from an `update` reply; a write-concern
-/// error makes the whole outcome unknown, hence transient.
+/// `(matched, statement errors)` from an `update` reply. A write-concern
+/// error makes the whole outcome unknown: an error, so the batch is retried.
 fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), StoreError> {
     if let Ok(wce) = reply.get_document("writeConcernError") {
         return Err(StoreError::Failed(format!("write concern error: {wce}")));
