@@ -161,7 +161,9 @@ impl Settings {
             .with_list_parse_key("kafka.topics")
             .try_parsing(true)
             .source(env.map(|m| m.into_iter().collect()));
-        let settings: Settings = builder.add_source(environment).build()?.try_deserialize()?;
+        let mut settings: Settings = builder.add_source(environment).build()?.try_deserialize()?;
+        settings.kafka.options =
+            normalize_kafka_options(std::mem::take(&mut settings.kafka.options));
         settings.validate()?;
         Ok(settings)
     }
@@ -229,6 +231,10 @@ impl Settings {
         if m.load_concurrency == 0 {
             return Err(invalid("mongodb.load_concurrency", "must be positive"));
         }
+        // Syntax and option values only: no DNS (SRV) lookup, no connection.
+        if let Err(e) = mongodb::options::ConnectionString::parse(&m.uri) {
+            return Err(invalid("mongodb.uri", e.to_string()));
+        }
         let b = &self.buckets;
         if !(1..=1000).contains(&b.capacity) {
             return Err(invalid("buckets.capacity", "must be between 1 and 1000"));
@@ -295,12 +301,33 @@ impl Settings {
         copy.mongodb.uri = redact_uri(&copy.mongodb.uri);
         for (key, value) in copy.kafka.options.iter_mut() {
             let key = key.to_ascii_lowercase();
-            if key.contains("password") || key.contains("secret") || key.ends_with(".key.pem") {
+            if key.contains("password")
+                || key.contains("secret")
+                || key.ends_with(".key.pem")
+                || key == "sasl.oauthbearer.config"
+            {
                 *value = "<redacted>".to_string();
             }
         }
         toml_string(&copy)
     }
+}
+
+/// librdkafka property names are dotted (`sasl.password`), but a dot cannot
+/// appear in a portable environment variable name. So an underscore stands
+/// for a dot (`TRADEBUCKET__KAFKA__OPTIONS__SASL_PASSWORD`): no string-valued
+/// librdkafka property has an underscore in its name (only callbacks do, and
+/// those cannot be set from text). When both spellings of one property are
+/// present, the underscore one wins, because it can only have come from the
+/// environment, the later layer (or from a file that chose that spelling).
+fn normalize_kafka_options(options: BTreeMap<String, String>) -> BTreeMap<String, String> {
+    let (underscored, dotted): (Vec<_>, Vec<_>) =
+        options.into_iter().partition(|(k, _)| k.contains('_'));
+    let mut out: BTreeMap<String, String> = dotted.into_iter().collect();
+    for (key, value) in underscored {
+        out.insert(key.to_ascii_lowercase().replace('_', "."), value);
+    }
+    out
 }
 
 fn toml_string(settings: &Settings) -> String {
@@ -404,6 +431,16 @@ mod tests {
                 "shutdown.drain_timeout_ms",
             ),
             ("TRADEBUCKET__LOG__FORMAT", "xml", "log.format"),
+            (
+                "TRADEBUCKET__MONGODB__URI",
+                "mongodb://h:99999/",
+                "mongodb.uri",
+            ),
+            (
+                "TRADEBUCKET__MONGODB__URI",
+                "localhost:27017",
+                "mongodb.uri",
+            ),
         ];
         for (key, value, field) in cases {
             let err = Settings::load_from(None, env(&[(key, value)])).unwrap_err();
@@ -437,6 +474,45 @@ mod tests {
         assert!(!printed.contains("hunter2"), "{printed}");
         assert!(printed.contains("SASL_SSL"), "{printed}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn kafka_options_from_the_environment_take_dots_as_underscores() {
+        let dir = std::env::temp_dir().join(format!("tb-config-opt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("local.toml");
+        std::fs::write(
+            &path,
+            "[kafka.options]\n\"security.protocol\" = \"SSL\"\n\"sasl.mechanism\" = \"PLAIN\"\n",
+        )
+        .unwrap();
+        let s = Settings::load_from(
+            Some(&path),
+            env(&[
+                ("TRADEBUCKET__KAFKA__OPTIONS__SECURITY_PROTOCOL", "SASL_SSL"),
+                ("TRADEBUCKET__KAFKA__OPTIONS__SASL_PASSWORD", "hunter2"),
+                ("TRADEBUCKET__KAFKA__OPTIONS__FETCH_MAX_BYTES", "1048576"),
+            ]),
+        )
+        .unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let options: Vec<(&str, &str)> = s
+            .kafka
+            .options
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(
+            options,
+            vec![
+                ("fetch.max.bytes", "1048576"),
+                ("sasl.mechanism", "PLAIN"),
+                ("sasl.password", "hunter2"),
+                ("security.protocol", "SASL_SSL"),
+            ]
+        );
+        let printed = s.redacted_toml();
+        assert!(!printed.contains("hunter2"), "{printed}");
     }
 
     #[test]

@@ -48,6 +48,7 @@ pub async fn serve(
 }
 
 async fn metrics_handler(State(s): State<AppState>) -> impl IntoResponse {
+    s.metrics.ready.set(i64::from(s.health.readiness().is_ok()));
     (
         [(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)],
         s.metrics.render(),

@@ -21,7 +21,7 @@ use rdkafka::consumer::{
 };
 use rdkafka::error::KafkaResult;
 use rdkafka::message::{Header, Headers, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
 use rdkafka::TopicPartitionList;
 
@@ -55,17 +55,42 @@ pub struct ConsumerCtx {
 
 impl ClientContext for ConsumerCtx {
     fn stats(&self, stats: Statistics) {
+        // Only partitions this member owns: a partition handed to another
+        // member is reported there, and a stale series here would make a
+        // group-wide sum of lag wrong.
+        let assigned = match self.group.lock() {
+            Ok(g) => g.assignment.clone(),
+            Err(_) => return,
+        };
         for (topic, t) in &stats.topics {
             for (partition, p) in &t.partitions {
                 // -1 is librdkafka's "unknown" (and the internal UA partition).
-                if *partition >= 0 && p.consumer_lag >= 0 {
-                    self.metrics
-                        .consumer_lag
-                        .with_label_values(&[topic.as_str(), &partition.to_string()])
-                        .set(p.consumer_lag);
+                if *partition < 0 {
+                    continue;
+                }
+                let label = partition.to_string();
+                if assigned.contains(&(topic.clone(), *partition)) {
+                    if p.consumer_lag >= 0 {
+                        self.metrics
+                            .consumer_lag
+                            .with_label_values(&[topic.as_str(), &label])
+                            .set(p.consumer_lag);
+                    }
+                } else {
+                    self.forget_lag(topic, *partition);
                 }
             }
         }
+    }
+}
+
+impl ConsumerCtx {
+    fn forget_lag(&self, topic: &str, partition: i32) {
+        // Err only means the series did not exist.
+        let _ = self
+            .metrics
+            .consumer_lag
+            .remove_label_values(&[topic, &partition.to_string()]);
     }
 }
 
@@ -91,6 +116,9 @@ impl ConsumerContext for ConsumerCtx {
                 .rebalances
                 .with_label_values(&["revoked"])
                 .inc();
+            for (topic, partition) in &revoked {
+                self.forget_lag(topic, *partition);
+            }
             let mut g = self.group.lock().expect("group state lock");
             for tp in &revoked {
                 g.assignment.remove(tp);
@@ -163,13 +191,9 @@ fn client_config(
     c
 }
 
-pub fn consumer(
-    settings: &Settings,
-    metrics: Metrics,
-) -> KafkaResult<(StreamConsumer<ConsumerCtx>, Arc<Mutex<GroupState>>)> {
+fn consumer_config(settings: &Settings) -> ClientConfig {
     let k = &settings.kafka;
-    let group = Arc::new(Mutex::new(GroupState::default()));
-    let c = client_config(
+    client_config(
         settings,
         &[
             ("auto.offset.reset", k.auto_offset_reset.clone()),
@@ -184,17 +208,10 @@ pub fn consumer(
             ("enable.auto.offset.store", "false".to_string()),
             ("enable.partition.eof", "false".to_string()),
         ],
-    );
-    let consumer: StreamConsumer<ConsumerCtx> = c.create_with_context(ConsumerCtx {
-        group: group.clone(),
-        metrics,
-    })?;
-    let topics: Vec<&str> = k.topics.iter().map(String::as_str).collect();
-    consumer.subscribe(&topics)?;
-    Ok((consumer, group))
+    )
 }
 
-pub fn producer(settings: &Settings) -> KafkaResult<FutureProducer> {
+fn producer_config(settings: &Settings) -> ClientConfig {
     client_config(
         settings,
         &[
@@ -205,7 +222,34 @@ pub fn producer(settings: &Settings) -> KafkaResult<FutureProducer> {
         // one producer session (acks=all comes with it).
         &[("enable.idempotence", "true".to_string())],
     )
-    .create()
+}
+
+pub fn consumer(
+    settings: &Settings,
+    metrics: Metrics,
+) -> KafkaResult<(StreamConsumer<ConsumerCtx>, Arc<Mutex<GroupState>>)> {
+    let group = Arc::new(Mutex::new(GroupState::default()));
+    let consumer: StreamConsumer<ConsumerCtx> =
+        consumer_config(settings).create_with_context(ConsumerCtx {
+            group: group.clone(),
+            metrics,
+        })?;
+    let topics: Vec<&str> = settings.kafka.topics.iter().map(String::as_str).collect();
+    consumer.subscribe(&topics)?;
+    Ok((consumer, group))
+}
+
+pub fn producer(settings: &Settings) -> KafkaResult<FutureProducer> {
+    producer_config(settings).create()
+}
+
+/// Has librdkafka check every property of both clients, names and values,
+/// without joining the group or sending anything: a misspelt or unsupported
+/// `kafka.options` entry fails `check-config`, not the first deployment.
+pub fn check_options(settings: &Settings) -> KafkaResult<()> {
+    consumer_config(settings).create::<BaseConsumer>()?;
+    producer_config(settings).create::<BaseProducer>()?;
+    Ok(())
 }
 
 /// One event bound for the dead-letter topic.
@@ -271,4 +315,56 @@ pub fn copy_headers<H: Headers>(headers: Option<&H>) -> Vec<(String, Option<Vec<
                 .collect()
         })
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn settings_with(options: &[(&str, &str)]) -> Settings {
+        let mut s = Settings::load_from(None, Some(BTreeMap::new())).unwrap();
+        s.kafka.options = options
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        s
+    }
+
+    #[test]
+    fn sasl_ssl_and_scram_pass_through_to_librdkafka() {
+        let s = settings_with(&[
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", "tradebucket"),
+            ("sasl.password", "secret"),
+        ]);
+        check_options(&s).expect("librdkafka is built with SSL and SASL/SCRAM");
+        assert_eq!(
+            consumer_config(&s).get("security.protocol"),
+            Some("SASL_SSL")
+        );
+    }
+
+    #[test]
+    fn a_misspelt_option_is_reported_by_name() {
+        let s = settings_with(&[("sasl.pasword", "x")]);
+        let err = check_options(&s).unwrap_err().to_string();
+        assert!(err.contains("sasl.pasword"), "{err}");
+    }
+
+    #[test]
+    fn options_cannot_override_what_the_guarantees_depend_on() {
+        let s = settings_with(&[
+            ("enable.auto.commit", "true"),
+            ("enable.auto.offset.store", "true"),
+            ("enable.idempotence", "false"),
+            ("fetch.max.bytes", "1048576"),
+        ]);
+        let c = consumer_config(&s);
+        assert_eq!(c.get("enable.auto.commit"), Some("false"));
+        assert_eq!(c.get("enable.auto.offset.store"), Some("false"));
+        assert_eq!(c.get("fetch.max.bytes"), Some("1048576"));
+        assert_eq!(producer_config(&s).get("enable.idempotence"), Some("true"));
+    }
 }

@@ -10,6 +10,7 @@
 //! - [`pipeline`]: the worker loop and its health state.
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`metrics`]: every metric, defined once.
+//! - [`throttle`]: rate limit for log lines on hot paths.
 //! - [`cli`]: the operator commands besides `run` (init, page, audit,
 //!   produce, check-config).
 //!
@@ -24,3 +25,4 @@ pub mod kafka;
 pub mod metrics;
 pub mod offsets;
 pub mod pipeline;
+pub mod throttle;

@@ -112,6 +112,11 @@ async fn main() -> ExitCode {
         }
     };
     if let Command::CheckConfig = args.command {
+        // librdkafka judges the pass-through options; nothing connects.
+        if let Err(e) = tradebucket::kafka::check_options(&settings) {
+            eprintln!("tradebucket: invalid setting kafka.options: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
         print!("{}", settings.redacted_toml());
         return ExitCode::SUCCESS;
     }

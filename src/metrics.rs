@@ -34,6 +34,9 @@ pub struct Metrics {
     pub end_to_end_delay: Histogram,
     pub in_flight_events: IntGauge,
     pub assigned_partitions: IntGauge,
+    /// 1 when `/readyz` answers 200; set at each scrape, so alerts see
+    /// exactly what the probe sees.
+    pub ready: IntGauge,
 }
 
 impl Metrics {
@@ -155,6 +158,11 @@ impl Metrics {
                 "Partitions currently assigned to this instance.",
             )
             .expect("valid metric"),
+            ready: IntGauge::new(
+                "tradebucket_ready",
+                "1 when the worker is ready (subscribed, MongoDB reachable, not draining), else 0.",
+            )
+            .expect("valid metric"),
             registry,
         };
         let build_info = IntGaugeVec::new(
@@ -186,6 +194,7 @@ impl Metrics {
             Box::new(m.end_to_end_delay.clone()),
             Box::new(m.in_flight_events.clone()),
             Box::new(m.assigned_partitions.clone()),
+            Box::new(m.ready.clone()),
             Box::new(build_info),
         ];
         for c in collectors {

@@ -31,6 +31,7 @@ use crate::event::{self, Reject, Source, Trade};
 use crate::kafka::{self, ConsumerCtx, DeadLetter, GroupState};
 use crate::metrics::Metrics;
 use crate::offsets::{OffsetTracker, TopicPartition};
+use crate::throttle::Throttle;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
@@ -45,8 +46,10 @@ pub enum PipelineError {
 pub struct Health {
     /// Subscribed to the group (assigned partitions or waiting for them).
     pub subscribed: AtomicBool,
-    /// The last MongoDB request succeeded.
+    /// The last MongoDB write succeeded.
     pub mongodb_ok: AtomicBool,
+    /// The last periodic ping succeeded (see [`watch_mongodb`]).
+    pub mongodb_reachable: AtomicBool,
     /// Shutting down: no new batches.
     pub draining: AtomicBool,
     /// Unix millis of the loop's last turn; a stale value means wedged.
@@ -65,7 +68,9 @@ impl Health {
         } else if !self.subscribed.load(Ordering::Relaxed) {
             Err("starting: not yet subscribed to the consumer group")
         } else if !self.mongodb_ok.load(Ordering::Relaxed) {
-            Err("MongoDB unreachable: writes are being retried")
+            Err("MongoDB writes failing: being retried")
+        } else if !self.mongodb_reachable.load(Ordering::Relaxed) {
+            Err("MongoDB unreachable")
         } else {
             Ok(())
         }
@@ -79,6 +84,32 @@ impl Health {
             Err(format!("the worker loop has not turned for {age} ms"))
         } else {
             Ok(())
+        }
+    }
+}
+
+/// How often [`watch_mongodb`] pings, and how long a ping may take.
+const PING_EVERY: Duration = Duration::from_secs(2);
+const PING_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Keeps `Health::mongodb_reachable` current. Writes alone would not: a
+/// worker with nothing to write would stay ready through a whole outage.
+async fn watch_mongodb(store: BucketStore, health: Arc<Health>, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(PING_EVERY) => {}
+        }
+        let ok = matches!(
+            tokio::time::timeout(PING_TIMEOUT, store.ping()).await,
+            Ok(Ok(()))
+        );
+        if health.mongodb_reachable.swap(ok, Ordering::Relaxed) != ok {
+            if ok {
+                tracing::info!("MongoDB reachable again");
+            } else {
+                tracing::warn!("MongoDB ping failed: not ready");
+            }
         }
     }
 }
@@ -109,7 +140,13 @@ pub struct Pipeline {
     tracker: OffsetTracker,
     metrics: Metrics,
     health: Arc<Health>,
+    /// Hot-path warnings (dead letters, consumer errors): one per second.
+    dead_letter_log: Throttle,
+    consumer_error_log: Throttle,
 }
+
+/// At most one warning per this interval on a hot path.
+const HOT_LOG_EVERY: Duration = Duration::from_secs(1);
 
 impl Pipeline {
     /// Connects to MongoDB (creating the indexes) and Kafka. MongoDB being
@@ -136,6 +173,12 @@ impl Pipeline {
             }
         }
         health.mongodb_ok.store(true, Ordering::Relaxed);
+        health.mongodb_reachable.store(true, Ordering::Relaxed);
+        tokio::spawn(watch_mongodb(
+            store.clone(),
+            health.clone(),
+            shutdown.clone(),
+        ));
         let writer = BucketWriter::new(
             store,
             settings.buckets.capacity,
@@ -155,6 +198,8 @@ impl Pipeline {
             tracker: OffsetTracker::new(),
             metrics,
             health,
+            dead_letter_log: Throttle::new(HOT_LOG_EVERY),
+            consumer_error_log: Throttle::new(HOT_LOG_EVERY),
         }))
     }
 
@@ -221,7 +266,9 @@ impl Pipeline {
                 Ok(Err(e)) => {
                     // The broker being away shows up here; librdkafka
                     // reconnects by itself.
-                    tracing::warn!(error = %e, "Kafka consumer error");
+                    if let Some(suppressed) = self.consumer_error_log.admit(Instant::now()) {
+                        tracing::warn!(error = %e, suppressed, "Kafka consumer error");
+                    }
                 }
                 Ok(Ok(m)) => {
                     let tp = (m.topic().to_string(), m.partition());
@@ -403,12 +450,25 @@ impl Pipeline {
             for (dl, r) in todo.into_iter().zip(results) {
                 match r {
                     Ok(()) => {
-                        tracing::warn!(
-                            kind = dl.reject.kind.as_str(),
-                            error = %dl.reject.message,
-                            topic = %dl.topic, partition = dl.partition, offset = dl.offset,
-                            "event dead-lettered"
-                        );
+                        // Every one at debug; at warn, one per second with
+                        // the count of those held back.
+                        let admitted = self.dead_letter_log.admit(Instant::now());
+                        if let Some(suppressed) = admitted {
+                            tracing::warn!(
+                                kind = dl.reject.kind.as_str(),
+                                error = %dl.reject.message,
+                                topic = %dl.topic, partition = dl.partition, offset = dl.offset,
+                                suppressed,
+                                "event dead-lettered"
+                            );
+                        } else {
+                            tracing::debug!(
+                                kind = dl.reject.kind.as_str(),
+                                error = %dl.reject.message,
+                                topic = %dl.topic, partition = dl.partition, offset = dl.offset,
+                                "event dead-lettered"
+                            );
+                        }
                         self.metrics
                             .events_dead_lettered
                             .with_label_values(&[dl.reject.kind.as_str()])

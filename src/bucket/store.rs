@@ -87,6 +87,12 @@ pub struct BucketStore {
 }
 
 impl BucketStore {
+    /// A `ping` round trip: is the server reachable and answering?
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.db.run_command(doc! { "ping": 1 }).await?;
+        Ok(())
+    }
+
     pub async fn connect(settings: &MongoSettings) -> Result<Self, StoreError> {
         let mut options = ClientOptions::parse(&settings.uri).await?;
         options

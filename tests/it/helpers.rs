@@ -661,3 +661,96 @@ impl Drop for PrivateKafka {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A port free at the time of asking (for servers that need it up front).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET `url`: (status, body), or `None` when nothing answers.
+pub async fn http_get(url: &str) -> Option<(u16, String)> {
+    let response = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.ok()?))
+}
+
+/// A real Prometheus (Debian's package, installed by scripts/stack) of this
+/// test's own, scraping `target` every second.
+pub struct Prometheus {
+    pub port: u16,
+    dir: std::path::PathBuf,
+    child: Child,
+}
+
+impl Prometheus {
+    pub async fn start(target: &str) -> Prometheus {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(unique("prometheus"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 scrape_configs:\n  - job_name: tradebucket\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("start prometheus: {e} (scripts/stack install installs Debian's package)")
+            });
+        let p = Prometheus { port, dir, child };
+        let ready = format!("http://127.0.0.1:{port}/-/ready");
+        eventually("Prometheus ready", Duration::from_secs(30), || async {
+            matches!(http_get(&ready).await, Some((200, _)))
+        })
+        .await;
+        p
+    }
+
+    /// The value of an instant query returning one sample, if it returns one.
+    pub async fn query(&self, promql: &str) -> Option<f64> {
+        let url = format!("http://127.0.0.1:{}/api/v1/query", self.port);
+        let body: serde_json::Value = reqwest::Client::new()
+            .get(&url)
+            .query(&[("query", promql)])
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        let result = body["data"]["result"].as_array()?;
+        if result.len() != 1 {
+            return None;
+        }
+        result[0]["value"][1].as_str()?.parse().ok()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

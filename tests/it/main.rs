@@ -3,5 +3,6 @@
 
 mod helpers;
 
+mod ops;
 mod pipeline;
 mod plumbing;

@@ -17,7 +17,7 @@ const TICKERS: [&str; 3] = ["MDB", "MSFT", "GOOG"];
 
 /// A stream of valid events over `customers`, with dates that repeat
 /// seconds and go backwards (late data), keyed by customer.
-fn stream(seed: u64, n: usize, customers: i64) -> Vec<serde_json::Value> {
+pub(crate) fn stream(seed: u64, n: usize, customers: i64) -> Vec<serde_json::Value> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut secs: i64 = 1_700_000_000;
     (0..n)

@@ -1,0 +1,273 @@
+//! What an operator touches: `check-config`, `/readyz` and `/healthz`, and
+//! the metrics as a real Prometheus sees them.
+
+use std::process::Command;
+use std::time::Duration;
+
+use crate::helpers::*;
+use crate::pipeline::stream;
+
+/// Runs `tradebucket check-config` with only the given environment.
+fn check_config(args: &[&str], vars: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tradebucket"))
+        .args(args)
+        .arg("check-config")
+        .env_clear()
+        .envs(vars.iter().copied())
+        .output()
+        .expect("run tradebucket");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_config_prints_the_effective_layers_with_secrets_redacted() {
+    let dir = std::env::temp_dir().join(unique("check-config"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("site.toml");
+    std::fs::write(
+        &file,
+        "[buckets]\ncapacity = 50\n[batch]\nlinger_ms = 7\n\
+         [kafka.options]\n\"security.protocol\" = \"SASL_SSL\"\n\"sasl.mechanism\" = \"SCRAM-SHA-256\"\n",
+    )
+    .unwrap();
+    let (code, stdout, stderr) = check_config(
+        &["--config", file.to_str().unwrap()],
+        &[
+            ("TRADEBUCKET__BATCH__LINGER_MS", "9"),
+            (
+                "TRADEBUCKET__MONGODB__URI",
+                "mongodb://app:s3cr3t-pw@db1:27017,db2:27017/?replicaSet=rs0&tls=true",
+            ),
+            ("TRADEBUCKET__KAFKA__OPTIONS__SASL_USERNAME", "tb"),
+            ("TRADEBUCKET__KAFKA__OPTIONS__SASL_PASSWORD", "hunter2-pw"),
+        ],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(code, Some(0), "stderr: {stderr}");
+    // Layers: default < file < environment.
+    assert!(stdout.contains("capacity = 50"), "{stdout}");
+    assert!(stdout.contains("linger_ms = 9"), "{stdout}");
+    assert!(stdout.contains("max_events = 5000"), "{stdout}");
+    assert!(
+        stdout.contains("\"security.protocol\" = \"SASL_SSL\""),
+        "{stdout}"
+    );
+    assert!(stdout.contains("\"sasl.username\" = \"tb\""), "{stdout}");
+    // Secrets never printed.
+    assert!(!stdout.contains("s3cr3t-pw") && !stdout.contains("hunter2-pw"));
+    assert!(
+        stdout.contains("mongodb://app:<redacted>@db1:27017,db2:27017/?replicaSet=rs0&tls=true"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("\"sasl.password\" = \"<redacted>\""),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn check_config_exits_64_naming_the_bad_field() {
+    let dir = std::env::temp_dir().join(unique("check-config-bad"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let typo = dir.join("typo.toml");
+    std::fs::write(&typo, "[batch]\nlinger_msec = 5\n").unwrap();
+    let missing = dir.join("missing.toml");
+    let typo_arg = ["--config", typo.to_str().unwrap()];
+    let missing_arg = ["--config", missing.to_str().unwrap()];
+    // (arguments, environment, what stderr must name)
+    type Case<'a> = (&'a [&'a str], Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            &[],
+            vec![("TRADEBUCKET__BUCKETS__CAPACITY", "0")],
+            "buckets.capacity",
+        ),
+        (
+            &[],
+            vec![("TRADEBUCKET__BATCH__LINGER_MS", "soon")],
+            "linger_ms",
+        ),
+        (
+            &[],
+            vec![("TRADEBUCKET__MONGODB__URI", "localhost:27017")],
+            "mongodb.uri",
+        ),
+        (
+            &[],
+            vec![("TRADEBUCKET__HTTP__LISTEN", "8080")],
+            "http.listen",
+        ),
+        (
+            &[],
+            vec![("TRADEBUCKET__KAFKA__OPTIONS__SASL_PASWORD", "x")],
+            "sasl.pasword",
+        ),
+        (
+            &[],
+            vec![("TRADEBUCKET__KAFKA__OPTIONS__SECURITY_PROTOCOL", "TLS")],
+            "security.protocol",
+        ),
+        (&typo_arg, vec![], "linger_msec"),
+        (&missing_arg, vec![], "missing.toml"),
+    ];
+    for (args, vars, field) in cases {
+        let (code, stdout, stderr) = check_config(args, &vars);
+        assert_eq!(code, Some(64), "{args:?} {vars:?}: {stdout}{stderr}");
+        assert!(stderr.contains(field), "{args:?} {vars:?}: {stderr}");
+        assert!(stdout.is_empty(), "nothing printed on error: {stdout}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[tokio::test]
+async fn readyz_follows_mongodb_and_healthz_stays_up() {
+    let mut mongo = PrivateMongo::start().await;
+    let env = TestEnv {
+        mongo_uri: mongo.uri(),
+        ..TestEnv::new("readyz", 2).await
+    };
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let worker = WorkerProcess::start(&env.vars(&[("TRADEBUCKET__HTTP__LISTEN", &listen)]));
+    let readyz = format!("http://{listen}/readyz");
+    let healthz = format!("http://{listen}/healthz");
+    let metrics = format!("http://{listen}/metrics");
+
+    let status = |url: String| async move { http_get(&url).await.map(|(s, _)| s) };
+    eventually("ready", Duration::from_secs(30), || async {
+        status(readyz.clone()).await == Some(200)
+    })
+    .await;
+    let events = stream(61, 200, 20);
+    env.produce_json(&events).await;
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+
+    // Idle worker, database gone: not ready, with the reason; still alive.
+    mongo.stop();
+    eventually(
+        "not ready while MongoDB is down",
+        Duration::from_secs(20),
+        || async {
+            matches!(http_get(&readyz).await, Some((503, body)) if body.contains("MongoDB"))
+        },
+    )
+    .await;
+    assert_eq!(status(healthz.clone()).await, Some(200));
+    let (_, text) = http_get(&metrics).await.unwrap();
+    assert!(text.contains("\ntradebucket_ready 0\n"), "{text}");
+
+    // Trades arriving during the outage wait, then land.
+    let more = stream(62, 100, 20);
+    env.produce_json(&more).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(status(readyz.clone()).await, Some(503));
+
+    mongo.restart().await;
+    eventually("ready again", Duration::from_secs(30), || async {
+        status(readyz.clone()).await == Some(200)
+    })
+    .await;
+    let (_, text) = http_get(&metrics).await.unwrap();
+    assert!(text.contains("\ntradebucket_ready 1\n"), "{text}");
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    let report = audit_clean(&env, 10).await;
+    assert_eq!(report.trades, 300);
+
+    worker.signal(15);
+    assert_eq!(worker.wait(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn prometheus_sees_every_written_event_and_the_lag_drain() {
+    let env = TestEnv::new("prometheus", 3).await;
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let prometheus = Prometheus::start(&listen).await;
+    // A backlog first, and small batches so the worker needs some seconds
+    // for it, with statistics every 200 ms: Prometheus (scraping every
+    // second) sees the lag high and then drain to 0.
+    let total = 20_000u64;
+    let opts = tradebucket::cli::ProduceOptions {
+        topic: Some(env.topic.clone()),
+        count: total,
+        customers: 500,
+        skewed: false,
+        tickers: 8,
+        rate: 0,
+        seed: 7,
+        no_keys: false,
+        first_id: 0,
+    };
+    let (_, sent, _) = tradebucket::cli::produce(&env.settings(&[]), &opts, false)
+        .await
+        .expect("produce");
+    assert_eq!(sent, total);
+    let worker = WorkerProcess::start(&env.vars(&[
+        ("TRADEBUCKET__HTTP__LISTEN", &listen),
+        ("TRADEBUCKET__KAFKA__OPTIONS__STATISTICS_INTERVAL_MS", "200"),
+        ("TRADEBUCKET__BATCH__MAX_EVENTS", "50"),
+    ]));
+
+    eventually(
+        "Prometheus scrapes the worker",
+        Duration::from_secs(30),
+        || async { prometheus.query("up{job=\"tradebucket\"}").await == Some(1.0) },
+    )
+    .await;
+    eventually(
+        "Prometheus: written == produced",
+        Duration::from_secs(90),
+        || async {
+            prometheus
+                .query("tradebucket_events_written_total{job=\"tradebucket\"}")
+                .await
+                == Some(total as f64)
+        },
+    )
+    .await;
+    // Lag comes from librdkafka statistics: every partition's
+    // series must exist and reach 0.
+    eventually(
+        "Prometheus: lag 0 on every partition",
+        Duration::from_secs(60),
+        || async {
+            let partitions = prometheus
+                .query("count(tradebucket_consumer_lag_messages{job=\"tradebucket\"})")
+                .await;
+            let lag = prometheus
+                .query("sum(tradebucket_consumer_lag_messages{job=\"tradebucket\"})")
+                .await;
+            partitions == Some(3.0) && lag == Some(0.0)
+        },
+    )
+    .await;
+    // Lag was seen above 0 before it drained (not a series stuck at 0).
+    let peak = prometheus
+        .query("max(max_over_time(tradebucket_consumer_lag_messages{job=\"tradebucket\"}[5m]))")
+        .await;
+    assert!(peak.is_some_and(|p| p > 0.0), "peak lag {peak:?}");
+    // The counter agrees with the database and with the other counters.
+    let report = audit_clean(&env, 10).await;
+    assert_eq!(report.trades, total);
+    assert_eq!(
+        prometheus
+            .query("tradebucket_events_consumed_total{job=\"tradebucket\"}")
+            .await,
+        Some(total as f64)
+    );
+    assert_eq!(
+        prometheus
+            .query("tradebucket_ready{job=\"tradebucket\"}")
+            .await,
+        Some(1.0)
+    );
+
+    worker.signal(15);
+    assert_eq!(worker.wait(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
