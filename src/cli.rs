@@ -311,8 +311,9 @@ pub fn synthetic_event(
     let side = if rng.random_bool(0.5) { "buy" } else { "sell" };
     let qty: u32 = rng.random_range(1..1000);
     let cents: u32 = rng.random_range(100..100_000);
-    // Monotonic in n, so a customer's trades are in time order.
-    let date = base_ms + (n as i64) * 3;
+    // Monotonic in the trade number, so a customer's trades are in time
+    // order, also across runs continued with --first-id.
+    let date = base_ms + ((opts.first_id + n) as i64) * 3;
     let json = serde_json::json!({
         "tradeId": format!("G{}-{}", opts.seed, opts.first_id + n),
         "customerId": customer,
@@ -347,7 +348,18 @@ pub async fn produce(
     let base_ms = 1_700_000_000_000i64;
     let started = Instant::now();
     let mut in_flight = FuturesUnordered::new();
-    let mut last_report = Instant::now();
+    let bar = if progress {
+        let bar = indicatif::ProgressBar::new(opts.count);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {bar:40} {pos}/{len} trades  {per_sec}  eta {eta}",
+            )
+            .expect("a valid template"),
+        );
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     for n in 0..opts.count {
         if opts.rate > 0 {
             let due = Duration::from_secs_f64(n as f64 / opts.rate as f64);
@@ -377,17 +389,13 @@ pub async fn produce(
                 r?;
             }
         }
-        if progress && last_report.elapsed() >= Duration::from_secs(1) {
-            eprint!("\rproduced {n}/{}", opts.count);
-            last_report = Instant::now();
-        }
+        // Counts handed to the producer; the wait below covers the acks.
+        bar.inc(1);
     }
     while let Some(r) = in_flight.next().await {
         r?;
     }
-    if progress {
-        eprintln!("\rproduced {}/{}", opts.count, opts.count);
-    }
+    bar.finish_and_clear();
     // Every send is acknowledged; release their borrow of `topic`.
     drop(in_flight);
     Ok((topic, opts.count, started.elapsed().as_secs_f64()))

@@ -1,0 +1,88 @@
+# tradebucket container image.
+#
+#   docker build -t tradebucket .
+#   docker run --rm tradebucket check-config
+#
+# Two stages: the Rust toolchain and C build tools stay in the builder; the
+# runtime image holds the binary and the two shared libraries it links.
+# Only classic Dockerfile syntax is used (no RUN --mount), so the legacy
+# builder that docker-compose 1.x drives builds it as well as BuildKit does.
+
+# The toolchain the project is built and tested with (CI's). It must not be
+# older than any locked crate's rust-version (uuid needs 1.89):
+# scripts/check-deploy checks that.
+FROM rust:1.95-bookworm AS builder
+
+# rdkafka builds librdkafka from its bundled source with ./configure and
+# make (C and C++), against the system OpenSSL (feature "ssl") and zlib.
+# The rust image already carries most of these; naming them keeps the build
+# working if that ever changes. Versions are not pinned (hadolint DL3008):
+# Debian stable carries only the current, security-patched version, so a
+# pin would break the build at its next update.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        build-essential perl pkg-config libssl-dev zlib1g-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /build
+
+# Dependencies first, with stub sources: this layer (librdkafka and several
+# hundred crates, the slow part) is rebuilt only when Cargo.toml, Cargo.lock
+# or benches/ change, not on every source edit. benches/ is here because
+# Cargo.toml declares a [[bench]] target, and cargo refuses a manifest whose
+# declared targets have no file (any [[test]] or [[example]] declared later
+# needs the same).
+COPY Cargo.toml Cargo.lock ./
+COPY benches ./benches
+RUN mkdir src \
+    && echo 'fn main() {}' > src/main.rs \
+    && touch src/lib.rs \
+    && cargo build --release --locked \
+    && rm -rf src
+
+# The real sources. config/default.toml is compiled into the binary
+# (include_str!), so it is part of the build input.
+COPY src ./src
+COPY config ./config
+# Forget the stub build of our own crate: COPY keeps the files' original
+# modification times, which can be older than the stub's artifacts, and
+# cargo would then take the stub for up to date.
+RUN rm -rf target/release/.fingerprint/tradebucket-* \
+        target/release/deps/tradebucket-* \
+        target/release/deps/libtradebucket-* \
+    && cargo build --release --locked \
+    && install -D -m 0755 target/release/tradebucket /out/tradebucket
+
+
+FROM debian:bookworm-slim
+
+# libssl3: librdkafka's TLS (linked dynamically). ca-certificates: to verify
+# brokers' and MongoDB's certificates. zlib and libgcc are in the base image.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libssl3 ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+# A fixed numeric uid/gid: Kubernetes' runAsNonRoot can only verify a
+# numeric USER, and host volumes or policies can refer to it.
+RUN groupadd --system --gid 10001 tradebucket \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home \
+        --home-dir /nonexistent --shell /usr/sbin/nologin tradebucket
+
+COPY --from=builder /out/tradebucket /usr/local/bin/tradebucket
+
+# The default listen address is loopback, which nothing outside the
+# container can reach; JSON logs are what log collectors expect.
+ENV TRADEBUCKET__HTTP__LISTEN=0.0.0.0:8080 \
+    TRADEBUCKET__LOG__FORMAT=json
+
+USER 10001:10001
+# /metrics, /healthz, /readyz
+EXPOSE 8080
+# SIGTERM (Docker's default stop signal) makes `run` drain, commit and
+# leave the consumer group; give it more than shutdown.drain_timeout_ms
+# (10 s) before the kill (docker stop -t 30, stop_grace_period,
+# terminationGracePeriodSeconds).
+ENTRYPOINT ["/usr/local/bin/tradebucket"]
+CMD ["run"]

@@ -1,0 +1,712 @@
+//! End-to-end benchmark (not a timed test): one pre-loaded event set,
+//! measured in one run against the local stack:
+//!
+//! - tradebucket, the release binary, from a fresh group and database, until
+//!   every offset is committed and every trade is in MongoDB; then a second
+//!   set of the same size into the same collection;
+//! - the naive baseline: the manual's one conditional upsert per trade;
+//! - the database ceiling: the final bucket documents, planned offline,
+//!   written with unordered bulk inserts;
+//! - the Kafka read ceiling: reading the topic without processing;
+//! - the worker's peak RSS, and the delay from message timestamp to
+//!   committed write at a steady half of the measured throughput.
+//!
+//! Run through `scripts/bench`, which starts the stack, builds, runs this
+//! and renders `docs/benchmarks.md` and its chart from the JSON it writes.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use futures::stream::{FuturesUnordered, StreamExt};
+use mongodb::bson::{doc, Bson, Document};
+use mongodb::options::{Acknowledgment, WriteConcern};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use serde_json::json;
+
+use tradebucket::bucket::plan::{self, Event};
+use tradebucket::bucket::store::{bucket_document, BucketStore};
+use tradebucket::cli::{self, ProduceOptions};
+use tradebucket::config::Settings;
+use tradebucket::event::{self, Source, Trade};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Events in the pre-loaded set (and again in the second set).
+    #[arg(long, default_value_t = 1_000_000)]
+    events: u64,
+    #[arg(long, default_value_t = 10_000)]
+    customers: u64,
+    #[arg(long, default_value_t = 8)]
+    partitions: i32,
+    /// Events the naive baseline writes (one round trip each).
+    #[arg(long, default_value_t = 20_000)]
+    naive_events: usize,
+    /// Bulk inserts in flight for the database ceiling.
+    #[arg(long, default_value_t = 4)]
+    ceiling_concurrency: usize,
+    /// Seconds of steady load for the delay measurement.
+    #[arg(long, default_value_t = 60)]
+    latency_seconds: u64,
+    /// Skip the second set (quicker runs while optimising).
+    #[arg(long)]
+    no_second_set: bool,
+    /// Where results.json and timeline.csv go.
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+    // `cargo bench` passes --bench; accept and ignore it.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// One sample of a running worker.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Sample {
+    phase: &'static str,
+    seconds: f64,
+    written: u64,
+    rss_mib: f64,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct WorkerRun {
+    events: u64,
+    seconds: f64,
+    events_per_second: f64,
+    peak_rss_mib: f64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    std::fs::create_dir_all(&args.out)?;
+    let base = Settings::load(None)?;
+    let run_id = chrono::Utc::now().format("%Y%m%d%H%M%S").to_string();
+    let topic = format!("bench-{run_id}");
+    let db = format!("bench_{run_id}");
+    let settings = with_env(&base, &topic, &db, &format!("bench-{run_id}-1"), 0);
+    eprintln!("bench: topic {topic}, database {db}");
+
+    // 1. The event set.
+    cli::init(&settings, Some(args.partitions)).await?;
+    let produce = |first_id: u64, count: u64, rate: u64, topic: &str| ProduceOptions {
+        topic: Some(topic.to_string()),
+        count,
+        customers: args.customers,
+        skewed: false,
+        tickers: 8,
+        rate,
+        seed: 1,
+        no_keys: false,
+        first_id,
+    };
+    let (_, _, secs) = cli::produce(&settings, &produce(0, args.events, 0, &topic), false).await?;
+    let produce_rate = args.events as f64 / secs;
+    eprintln!("bench: produced {} events in {secs:.1} s", args.events);
+
+    // 2. Kafka read ceiling (keeping the messages for the offline plan).
+    let (kafka_secs, messages) = read_topic(&settings, &topic, args.partitions, args.events)?;
+    let kafka_rate = args.events as f64 / kafka_secs;
+    eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s");
+
+    // 3. Database ceiling.
+    let (db_secs, buckets) =
+        database_ceiling(&settings, &messages, args.ceiling_concurrency).await?;
+    let db_rate = args.events as f64 / db_secs;
+    eprintln!("bench: database ceiling {db_rate:.0} events/s ({buckets} documents)");
+
+    // 4. Naive baseline.
+    let naive_rate = naive_baseline(&settings, &messages, args.naive_events).await?;
+    eprintln!("bench: naive baseline {naive_rate:.0} events/s");
+    drop(messages);
+
+    // 5. tradebucket: first set, then (same group, same collection) a second.
+    let mut samples = Vec::new();
+    let first = run_worker(&settings, args.events, "first", &mut samples).await?;
+    eprintln!(
+        "bench: tradebucket {:.0} events/s, peak RSS {:.1} MiB",
+        first.events_per_second, first.peak_rss_mib
+    );
+    let second = if args.no_second_set {
+        None
+    } else {
+        cli::produce(
+            &settings,
+            &produce(args.events, args.events, 0, &topic),
+            false,
+        )
+        .await?;
+        let run = run_worker(&settings, 2 * args.events, "second", &mut samples).await?;
+        let run = WorkerRun {
+            events: args.events,
+            events_per_second: args.events as f64 / run.seconds,
+            ..run
+        };
+        eprintln!(
+            "bench: second set {:.0} events/s, peak RSS {:.1} MiB",
+            run.events_per_second, run.peak_rss_mib
+        );
+        Some(run)
+    };
+    let audit = cli::audit(&settings, None).await?;
+    let expected = if second.is_some() { 2 } else { 1 } * args.events;
+    anyhow::ensure!(
+        audit.violations.is_empty() && audit.trades == expected,
+        "after the runs: {} trades (expected {expected}), violations {:?}",
+        audit.trades,
+        audit.violations
+    );
+
+    // 6. Delay at a steady half of the measured throughput.
+    let rate = (first.events_per_second / 2.0) as u64;
+    let latency = steady_delay(&settings, &args, rate, &produce).await?;
+    eprintln!(
+        "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s",
+        latency["p50_seconds"], latency["p99_seconds"]
+    );
+
+    let machine = json!({
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "cpu": cpu_model(),
+        "tradebucket": env!("CARGO_PKG_VERSION"),
+        "librdkafka": rdkafka::util::get_rdkafka_version().1,
+        "kafka_server": "Tansu 0.6.0 (sqlite)",
+        "mongodb_server": "secantusd-rs 0.5.3-beta.196",
+    });
+    let results = json!({
+        "run_id": run_id,
+        "machine": machine,
+        "events": args.events,
+        "customers": args.customers,
+        "partitions": args.partitions,
+        "produce_events_per_second": produce_rate,
+        "kafka_read_ceiling": {"seconds": kafka_secs, "events_per_second": kafka_rate},
+        "database_ceiling": {"seconds": db_secs, "events_per_second": db_rate,
+                             "documents": buckets, "concurrency": args.ceiling_concurrency},
+        "naive_baseline": {"events": args.naive_events, "events_per_second": naive_rate},
+        "tradebucket_first": first,
+        "tradebucket_second": second,
+        "delay": latency,
+        "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
+    });
+    std::fs::write(
+        args.out.join("results.json"),
+        serde_json::to_string_pretty(&results)?,
+    )?;
+    let mut csv = String::from("phase,seconds,written,rss_mib\n");
+    for s in &samples {
+        csv.push_str(&format!(
+            "{},{:.3},{},{:.1}\n",
+            s.phase, s.seconds, s.written, s.rss_mib
+        ));
+    }
+    std::fs::write(args.out.join("timeline.csv"), csv)?;
+    println!("{}", serde_json::to_string_pretty(&results)?);
+    Ok(())
+}
+
+/// The stack's settings, pointed at this run's topic, database and group.
+fn with_env(base: &Settings, topic: &str, db: &str, group: &str, http_port: u16) -> Settings {
+    let mut s = base.clone();
+    s.kafka.topics = vec![topic.to_string()];
+    s.kafka.group_id = group.to_string();
+    s.mongodb.database = db.to_string();
+    s.http.listen = format!("127.0.0.1:{http_port}").parse().expect("address");
+    s
+}
+
+/// The environment that gives the worker binary `settings`.
+fn worker_env(s: &Settings) -> Vec<(String, String)> {
+    vec![
+        (
+            "TRADEBUCKET__KAFKA__BROKERS".into(),
+            s.kafka.brokers.clone(),
+        ),
+        (
+            "TRADEBUCKET__KAFKA__TOPICS".into(),
+            s.kafka.topics.join(","),
+        ),
+        (
+            "TRADEBUCKET__KAFKA__GROUP_ID".into(),
+            s.kafka.group_id.clone(),
+        ),
+        ("TRADEBUCKET__MONGODB__URI".into(), s.mongodb.uri.clone()),
+        (
+            "TRADEBUCKET__MONGODB__DATABASE".into(),
+            s.mongodb.database.clone(),
+        ),
+        (
+            "TRADEBUCKET__HTTP__LISTEN".into(),
+            s.http.listen.to_string(),
+        ),
+        ("TRADEBUCKET__LOG__FORMAT".into(), "text".into()),
+    ]
+}
+
+fn kafka_consumer(settings: &Settings, group: &str) -> anyhow::Result<BaseConsumer> {
+    Ok(ClientConfig::new()
+        .set("bootstrap.servers", &settings.kafka.brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()?)
+}
+
+/// A received message, detached.
+struct Msg {
+    partition: i32,
+    offset: i64,
+    payload: Vec<u8>,
+}
+
+/// Reads the whole topic with the worker's client defaults and no
+/// processing: the Kafka read ceiling.
+fn read_topic(
+    settings: &Settings,
+    topic: &str,
+    partitions: i32,
+    expected: u64,
+) -> anyhow::Result<(f64, Vec<Msg>)> {
+    let consumer = kafka_consumer(settings, "bench-reader")?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+    }
+    consumer.assign(&tpl)?;
+    let mut out = Vec::with_capacity(expected as usize);
+    let started = Instant::now();
+    while (out.len() as u64) < expected {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(600),
+            "read only {} of {expected}",
+            out.len()
+        );
+        if let Some(m) = consumer.poll(Duration::from_millis(100)) {
+            let m = m?;
+            out.push(Msg {
+                partition: m.partition(),
+                offset: m.offset(),
+                payload: m.payload().unwrap_or_default().to_vec(),
+            });
+        }
+    }
+    Ok((started.elapsed().as_secs_f64(), out))
+}
+
+fn decode_all(topic: &str, messages: &[Msg]) -> anyhow::Result<(Vec<Trade>, Vec<Source>)> {
+    let mut trades = Vec::with_capacity(messages.len());
+    let mut sources = Vec::with_capacity(messages.len());
+    for m in messages {
+        let source = Source {
+            topic: topic.to_string(),
+            partition: m.partition,
+            offset: m.offset,
+        };
+        let trade = event::decode(Some(&m.payload), &source, usize::MAX)
+            .map_err(|r| anyhow::anyhow!("generated event rejected: {}", r.message))?;
+        trades.push(trade);
+        sources.push(source);
+    }
+    Ok((trades, sources))
+}
+
+/// The final bucket documents, planned offline with the product's own
+/// planner, inserted with unordered bulk inserts at the worker's write
+/// concern: what the database can absorb at all.
+async fn database_ceiling(
+    settings: &Settings,
+    messages: &[Msg],
+    concurrency: usize,
+) -> anyhow::Result<(f64, usize)> {
+    let topic = &settings.kafka.topics[0];
+    let (trades, sources) = decode_all(topic, messages)?;
+    // Stream order per customer: by partition, then offset (keyed by
+    // customer, so one partition each).
+    let mut order: Vec<usize> = (0..trades.len()).collect();
+    order.sort_by_key(|&i| (sources[i].partition, sources[i].offset));
+    let mut per_customer: HashMap<String, Vec<usize>> = HashMap::new();
+    for i in order {
+        per_customer
+            .entry(trades[i].customer.id_text())
+            .or_default()
+            .push(i);
+    }
+    let mut docs = Vec::new();
+    for indices in per_customer.values() {
+        let events: Vec<Event<'_>> = indices
+            .iter()
+            .map(|&i| Event {
+                index: i,
+                trade: &trades[i],
+                source: &sources[i],
+            })
+            .collect();
+        let customer = &trades[indices[0]].customer;
+        let p = plan::plan_customer(
+            customer,
+            None,
+            &events,
+            &HashSet::new(),
+            settings.buckets.capacity,
+        );
+        for b in &p.new_buckets {
+            let ts: Vec<&Trade> = b.events.iter().map(|&i| &trades[i]).collect();
+            docs.push(bucket_document(b, &ts));
+        }
+    }
+    let n_docs = docs.len();
+    let mut s = settings.clone();
+    s.mongodb.collection = "ceiling".into();
+    let store = BucketStore::connect(&s.mongodb).await?;
+    store.init().await?;
+    let wc = WriteConcern::builder()
+        .w(Acknowledgment::Majority)
+        .journal(settings.mongodb.journal)
+        .build();
+    let coll = store.collection().clone();
+    let chunks: Vec<Vec<Document>> = docs.chunks(1000).map(<[Document]>::to_vec).collect();
+    drop(docs);
+    let started = Instant::now();
+    let mut pending = FuturesUnordered::new();
+    for chunk in chunks {
+        let coll = coll.clone();
+        let wc = wc.clone();
+        pending.push(async move {
+            coll.insert_many(chunk)
+                .ordered(false)
+                .write_concern(wc)
+                .await
+                .map(|_| ())
+        });
+        while pending.len() >= concurrency {
+            if let Some(r) = pending.next().await {
+                r?;
+            }
+        }
+    }
+    while let Some(r) = pending.next().await {
+        r?;
+    }
+    Ok((started.elapsed().as_secs_f64(), n_docs))
+}
+
+/// The manual's way: one conditional upsert per trade, one round trip each,
+/// with an index on what the filter uses.
+async fn naive_baseline(
+    settings: &Settings,
+    messages: &[Msg],
+    count: usize,
+) -> anyhow::Result<f64> {
+    let topic = &settings.kafka.topics[0];
+    let (trades, _) = decode_all(topic, &messages[..count.min(messages.len())])?;
+    let client = mongodb::Client::with_uri_str(&settings.mongodb.uri).await?;
+    let coll = client
+        .database(&settings.mongodb.database)
+        .collection::<Document>("naive");
+    coll.create_index(
+        mongodb::IndexModel::builder()
+            .keys(doc! {"customerId": 1, "count": 1})
+            .build(),
+    )
+    .await?;
+    let wc = WriteConcern::builder()
+        .w(Acknowledgment::Majority)
+        .journal(settings.mongodb.journal)
+        .build();
+    let cap = i64::from(settings.buckets.capacity);
+    let started = Instant::now();
+    for t in &trades {
+        let id = format!("{}_{}", t.customer.id_text(), t.epoch_seconds());
+        coll.update_one(
+            doc! {"customerId": t.customer.to_bson(), "count": {"$lt": cap}},
+            doc! {
+                "$push": {"history": Bson::Document(t.doc.clone())},
+                "$inc": {"count": 1},
+                "$setOnInsert": {"_id": id},
+            },
+        )
+        .upsert(true)
+        .write_concern(wc.clone())
+        .await?;
+    }
+    Ok(trades.len() as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Starts the release binary and waits until the group's committed offsets
+/// reach the end of the topic and `expected_total` trades are stored.
+async fn run_worker(
+    settings: &Settings,
+    expected_total: u64,
+    phase: &'static str,
+    samples: &mut Vec<Sample>,
+) -> anyhow::Result<WorkerRun> {
+    let port = free_port();
+    let s = with_env(
+        settings,
+        &settings.kafka.topics[0],
+        &settings.mongodb.database,
+        &settings.kafka.group_id,
+        port,
+    );
+    let ends = end_offsets(&s)?;
+    let started = Instant::now();
+    let mut child = spawn_worker(&s)?;
+    let pid = child.id();
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
+    let http = reqwest::Client::new();
+    let checker = kafka_consumer(&s, &s.kafka.group_id)?;
+    let store = BucketStore::connect(&s.mongodb).await?;
+    let mut written_before = None;
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        anyhow::ensure!(child.try_wait()?.is_none(), "the worker exited early");
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(1800),
+            "the worker did not finish in 30 minutes"
+        );
+        let written = match http.get(&metrics_url).send().await {
+            Ok(r) => counter(&r.text().await?, "tradebucket_events_written_total"),
+            Err(_) => None,
+        };
+        if let Some(w) = written {
+            written_before.get_or_insert(w);
+            samples.push(Sample {
+                phase,
+                seconds: started.elapsed().as_secs_f64(),
+                written: w,
+                rss_mib: proc_status_kib(pid, "VmRSS:").unwrap_or(0) as f64 / 1024.0,
+            });
+        }
+        // Commits come after durable writes, so once they reach the end
+        // every trade is stored; counting them is the check, once.
+        if committed_reached(&checker, &s, &ends)? {
+            break;
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let stored = stored_trades(&store).await?;
+    anyhow::ensure!(
+        stored == expected_total,
+        "offsets committed to the end but {stored} trades stored, expected {expected_total}"
+    );
+    let peak_rss_mib = proc_status_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
+    stop(&mut child)?;
+    let events = expected_total;
+    Ok(WorkerRun {
+        events,
+        seconds,
+        events_per_second: events as f64 / seconds,
+        peak_rss_mib,
+    })
+}
+
+/// Delay from message timestamp to committed write, from the worker's own
+/// histogram, while the generator produces at `rate` for a while.
+async fn steady_delay(
+    settings: &Settings,
+    args: &Args,
+    rate: u64,
+    produce: &dyn Fn(u64, u64, u64, &str) -> ProduceOptions,
+) -> anyhow::Result<serde_json::Value> {
+    let topic = format!("{}-steady", settings.kafka.topics[0]);
+    let mut s = with_env(
+        settings,
+        &topic,
+        &format!("{}_steady", settings.mongodb.database),
+        &format!("{}-steady", settings.kafka.group_id),
+        free_port(),
+    );
+    cli::init(&s, Some(args.partitions)).await?;
+    s.kafka.auto_offset_reset = "earliest".into();
+    let mut child = spawn_worker(&s)?;
+    let metrics_url = format!("http://{}/metrics", s.http.listen);
+    let http = reqwest::Client::new();
+    // Start the load once partitions are assigned, so start-up is not
+    // counted as delay.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = http.get(&metrics_url).send().await {
+            if gauge(&r.text().await?, "tradebucket_assigned_partitions").unwrap_or(0.0)
+                >= f64::from(args.partitions)
+            {
+                break;
+            }
+        }
+        anyhow::ensure!(Instant::now() < deadline, "no assignment within 60 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let count = rate * args.latency_seconds;
+    cli::produce(&s, &produce(0, count, rate, &topic), false).await?;
+    let ends = end_offsets(&s)?;
+    let checker = kafka_consumer(&s, &s.kafka.group_id)?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !committed_reached(&checker, &s, &ends)? {
+        anyhow::ensure!(Instant::now() < deadline, "steady load not drained");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The last commit's delay is observed right after the commit.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let text = http.get(&metrics_url).send().await?.text().await?;
+    stop(&mut child)?;
+    let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
+    let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
+    Ok(json!({
+        "rate_events_per_second": rate,
+        "events": count,
+        "observed": total,
+        "p50_seconds": quantile(&buckets, 0.50),
+        "p90_seconds": quantile(&buckets, 0.90),
+        "p99_seconds": quantile(&buckets, 0.99),
+        "buckets": buckets.iter().map(|(le, c)| json!([le, c])).collect::<Vec<_>>(),
+    }))
+}
+
+fn spawn_worker(s: &Settings) -> anyhow::Result<Child> {
+    Ok(Command::new(env!("CARGO_BIN_EXE_tradebucket"))
+        .arg("run")
+        .env_clear()
+        .envs(worker_env(s))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()?)
+}
+
+fn stop(child: &mut Child) -> anyhow::Result<()> {
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()?;
+    let status = child.wait()?;
+    anyhow::ensure!(status.success(), "worker exited with {status}");
+    Ok(())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn end_offsets(s: &Settings) -> anyhow::Result<BTreeMap<i32, i64>> {
+    let consumer = kafka_consumer(s, "bench-watermarks")?;
+    let topic = &s.kafka.topics[0];
+    let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    let mut out = BTreeMap::new();
+    for p in metadata.topics()[0].partitions() {
+        let (_, high) = consumer.fetch_watermarks(topic, p.id(), Duration::from_secs(10))?;
+        out.insert(p.id(), high);
+    }
+    Ok(out)
+}
+
+fn committed_reached(
+    checker: &BaseConsumer,
+    s: &Settings,
+    ends: &BTreeMap<i32, i64>,
+) -> anyhow::Result<bool> {
+    let mut tpl = TopicPartitionList::new();
+    for p in ends.keys() {
+        tpl.add_partition(&s.kafka.topics[0], *p);
+    }
+    let committed = checker.committed_offsets(tpl, Duration::from_secs(10))?;
+    Ok(committed.elements().iter().all(|e| match e.offset() {
+        Offset::Offset(o) => o >= ends[&e.partition()],
+        _ => ends[&e.partition()] == 0,
+    }))
+}
+
+async fn stored_trades(store: &BucketStore) -> anyhow::Result<u64> {
+    let mut cursor = store
+        .collection()
+        .aggregate([doc! {"$group": {"_id": null, "n": {"$sum": "$count"}}}])
+        .await?;
+    Ok(match cursor.next().await {
+        Some(d) => {
+            let d = d?;
+            match d.get("n") {
+                Some(Bson::Int32(n)) => *n as u64,
+                Some(Bson::Int64(n)) => *n as u64,
+                _ => 0,
+            }
+        }
+        None => 0,
+    })
+}
+
+fn counter(text: &str, name: &str) -> Option<u64> {
+    gauge(text, name).map(|v| v as u64)
+}
+
+fn gauge(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// (upper bound, cumulative count) of a Prometheus histogram.
+fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Prometheus's `histogram_quantile`: linear within the bucket.
+fn quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
+    let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
+    if total == 0.0 {
+        return f64::NAN;
+    }
+    let rank = q * total;
+    let mut prev = (0.0, 0.0);
+    for &(le, count) in buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return prev.0;
+            }
+            let within = if count > prev.1 {
+                (rank - prev.1) / (count - prev.1)
+            } else {
+                0.0
+            };
+            return prev.0 + (le - prev.0) * within;
+        }
+        prev = (le, count);
+    }
+    prev.0
+}
+
+fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(field))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_default()
+}
