@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures::stream::{FuturesUnordered, StreamExt};
-use mongodb::bson::{doc, Bson, Document};
+use mongodb::bson::{doc, Bson, Document, RawDocumentBuf};
 use mongodb::options::{Acknowledgment, WriteConcern};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
@@ -367,8 +367,10 @@ async fn database_ceiling(
         .w(Acknowledgment::Majority)
         .journal(settings.mongodb.journal)
         .build();
-    let coll = store.collection().clone();
-    let chunks: Vec<Vec<Document>> = docs.chunks(1000).map(<[Document]>::to_vec).collect();
+    // The same encoded documents the worker would send.
+    let coll = store.collection().clone_with_type::<RawDocumentBuf>();
+    let chunks: Vec<Vec<RawDocumentBuf>> =
+        docs.chunks(1000).map(<[RawDocumentBuf]>::to_vec).collect();
     drop(docs);
     let started = Instant::now();
     let mut pending = FuturesUnordered::new();
@@ -424,7 +426,7 @@ async fn naive_baseline(
         coll.update_one(
             doc! {"customerId": t.customer.to_bson(), "count": {"$lt": cap}},
             doc! {
-                "$push": {"history": Bson::Document(t.doc.clone())},
+                "$push": {"history": Bson::Document(t.entry()?)},
                 "$inc": {"count": 1},
                 "$setOnInsert": {"_id": id},
             },

@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
+use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 
@@ -369,34 +370,56 @@ pub async fn produce(
             }
         }
         let (json, key) = synthetic_event(&mut rng, n, opts, base_ms);
-        let producer = &producer;
-        let topic = topic.as_str();
-        let keyed = !opts.no_keys;
-        in_flight.push(async move {
-            let mut record: FutureRecord<'_, str, str> = FutureRecord::to(topic).payload(&json);
-            if keyed {
-                record = record.key(&key);
+        let mut record: FutureRecord<'_, str, str> = FutureRecord::to(&topic).payload(&json);
+        if !opts.no_keys {
+            record = record.key(&key);
+        }
+        // `send_result` hands the record to librdkafka now (the async
+        // `send` would only do so when polled, so a paced run would send
+        // nothing until the end); a full local queue waits for acks.
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => {
+                    in_flight.push(delivery);
+                    break;
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    match in_flight.next().await {
+                        Some(ack) => delivered(ack)?,
+                        None => tokio::time::sleep(Duration::from_millis(10)).await,
+                    }
+                }
+                Err((e, _)) => return Err(e.into()),
             }
-            producer
-                .send(record, Duration::from_secs(30))
-                .await
-                .map(|_| ())
-                .map_err(|(e, _)| e)
-        });
+        }
         // Bound memory: at most this many unacknowledged sends.
         while in_flight.len() >= 50_000 {
-            if let Some(r) = in_flight.next().await {
-                r?;
+            if let Some(ack) = in_flight.next().await {
+                delivered(ack)?;
             }
         }
         // Counts handed to the producer; the wait below covers the acks.
         bar.inc(1);
     }
-    while let Some(r) = in_flight.next().await {
-        r?;
+    while let Some(ack) = in_flight.next().await {
+        delivered(ack)?;
     }
     bar.finish_and_clear();
-    // Every send is acknowledged; release their borrow of `topic`.
-    drop(in_flight);
     Ok((topic, opts.count, started.elapsed().as_secs_f64()))
+}
+
+/// The broker's verdict on one produced event.
+fn delivered(
+    ack: Result<
+        rdkafka::producer::future_producer::OwnedDeliveryResult,
+        futures::channel::oneshot::Canceled,
+    >,
+) -> Result<(), CliError> {
+    match ack {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(e.into()),
+        // The producer dropped the delivery report: it is shutting down.
+        Err(_) => Err(KafkaError::Canceled.into()),
+    }
 }

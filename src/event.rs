@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::fmt;
 
 use chrono::{DateTime, FixedOffset};
-use mongodb::bson::{self, Bson, Decimal128, Document};
+use mongodb::bson::{self, Bson, Decimal128, Document, RawDocumentBuf};
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -194,11 +194,19 @@ pub struct Trade {
     pub ticker: String,
     /// UTC milliseconds since the epoch.
     pub date_ms: i64,
-    /// The history entry as stored (includes `key`).
-    pub doc: Document,
+    /// The history entry as stored (includes `key`), already encoded: the
+    /// writer copies these bytes into its commands as they are, and they
+    /// take a fraction of the memory of a `Document` (a map of boxed
+    /// values), which is what a batch's memory is made of.
+    pub doc: RawDocumentBuf,
 }
 
 impl Trade {
+    /// The history entry as a `Document`, for reading it field by field.
+    pub fn entry(&self) -> Result<Document, bson::raw::Error> {
+        self.doc.to_document()
+    }
+
     pub fn epoch_seconds(&self) -> i64 {
         self.date_ms.div_euclid(1000)
     }
@@ -307,6 +315,14 @@ pub fn decode(payload: Option<&[u8]>, source: &Source, max_bytes: usize) -> Resu
     }
     doc.extend(extras);
     doc.insert("key", key.clone());
+    // Cannot fail for what the checks above let through (no NUL in names),
+    // but an encoding error is bad input, not a reason to panic.
+    let doc = RawDocumentBuf::from_document(&doc).map_err(|e| {
+        Reject::new(
+            RejectKind::InvalidField,
+            format!("the trade cannot be encoded as BSON: {e}"),
+        )
+    })?;
 
     Ok(Trade {
         key,

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use mongodb::bson::{doc, Bson, Document};
+use mongodb::bson::{doc, rawdoc, Bson, Document, RawArrayBuf, RawBson, RawDocumentBuf};
 use mongodb::error::{ErrorKind, WriteFailure};
 use mongodb::options::{
     Acknowledgment, ClientOptions, FindOneOptions, IndexOptions, InsertManyOptions, WriteConcern,
@@ -230,18 +230,27 @@ impl BucketStore {
     }
 
     /// Runs fill statements (unordered: each is its own customer's).
-    pub async fn apply_fills(&self, statements: Vec<Document>) -> Result<FillOutcome, StoreError> {
+    pub async fn apply_fills(
+        &self,
+        statements: Vec<RawDocumentBuf>,
+    ) -> Result<FillOutcome, StoreError> {
         let mut outcome = FillOutcome::default();
         let mut base = 0;
+        let write_concern = RawDocumentBuf::from_document(&write_concern_doc(&self.write_concern))
+            .map_err(|e| StoreError::Failed(format!("cannot encode the write concern: {e}")))?;
         for chunk in chunk_by_size(statements) {
             let len = chunk.len();
+            let mut updates = RawArrayBuf::new();
+            for statement in chunk {
+                updates.push(statement);
+            }
             let reply = self
                 .db
-                .run_command(doc! {
+                .run_raw_command(rawdoc! {
                     "update": self.coll.name(),
-                    "updates": chunk,
+                    "updates": updates,
                     "ordered": false,
-                    "writeConcern": write_concern_doc(&self.write_concern),
+                    "writeConcern": write_concern.clone(),
                 })
                 .await?;
             let part = parse_write_reply(&reply)?;
@@ -257,7 +266,10 @@ impl BucketStore {
 
     /// Inserts new buckets in order, stopping at the first failure so a
     /// customer's chain never gets a bucket after a missing one.
-    pub async fn insert_buckets(&self, docs: Vec<Document>) -> Result<InsertOutcome, StoreError> {
+    pub async fn insert_buckets(
+        &self,
+        docs: Vec<RawDocumentBuf>,
+    ) -> Result<InsertOutcome, StoreError> {
         if docs.is_empty() {
             return Ok(InsertOutcome::default());
         }
@@ -265,7 +277,8 @@ impl BucketStore {
             .ordered(true)
             .write_concern(self.write_concern.clone())
             .build();
-        match self.coll.insert_many(docs).with_options(options).await {
+        let raw = self.coll.clone_with_type::<RawDocumentBuf>();
+        match raw.insert_many(docs).with_options(options).await {
             Ok(_) => Ok(InsertOutcome::default()),
             Err(e) => match *e.kind {
                 ErrorKind::InsertMany(ref failure) if failure.write_concern_error.is_none() => {
@@ -373,12 +386,12 @@ fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), Sto
     Ok((n, errors))
 }
 
-fn chunk_by_size(statements: Vec<Document>) -> Vec<Vec<Document>> {
+fn chunk_by_size(statements: Vec<RawDocumentBuf>) -> Vec<Vec<RawDocumentBuf>> {
     let mut chunks = Vec::new();
     let mut current = Vec::new();
     let mut bytes = 0;
     for s in statements {
-        let size = approx_size(&s);
+        let size = s.as_bytes().len();
         if !current.is_empty() && bytes + size > MAX_STATEMENT_BYTES {
             chunks.push(std::mem::take(&mut current));
             bytes = 0;
@@ -390,14 +403,6 @@ fn chunk_by_size(statements: Vec<Document>) -> Vec<Vec<Document>> {
         chunks.push(current);
     }
     chunks
-}
-
-fn approx_size(d: &Document) -> usize {
-    // Serialising is the only exact measure; statements are small relative
-    // to the budget, so the cost is the price of never sending >16 MiB.
-    mongodb::bson::to_vec(d)
-        .map(|v| v.len())
-        .unwrap_or(MAX_STATEMENT_BYTES)
 }
 
 /// Builds our view of a bucket from its stored form.
@@ -444,20 +449,16 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
 }
 
 /// The guarded append: matches only if nobody appended since we looked.
-pub fn fill_statement(fill: &Fill, trades: &[&Trade]) -> Document {
-    let mut max = Document::new();
+pub fn fill_statement(fill: &Fill, trades: &[&Trade]) -> RawDocumentBuf {
+    let mut max = RawDocumentBuf::new();
     for (k, v) in &fill.wm {
-        max.insert(format!("wm.{k}"), *v);
+        max.append(format!("wm.{k}"), *v);
     }
-    let history: Vec<Bson> = trades
-        .iter()
-        .map(|t| Bson::Document(t.doc.clone()))
-        .collect();
-    let tickers: Vec<&String> = fill.tickers.iter().collect();
-    doc! {
-        "q": {"_id": &fill.bucket_id, "count": fill.expected_count as i64},
+    let tickers: RawArrayBuf = fill.tickers.iter().map(String::as_str).collect();
+    rawdoc! {
+        "q": {"_id": fill.bucket_id.as_str(), "count": fill.expected_count as i64},
         "u": {
-            "$push": {"history": {"$each": history}},
+            "$push": {"history": {"$each": history(trades)}},
             "$inc": {"count": trades.len() as i64},
             "$max": max,
             "$addToSet": {"tickers": {"$each": tickers}},
@@ -466,25 +467,35 @@ pub fn fill_statement(fill: &Fill, trades: &[&Trade]) -> Document {
 }
 
 /// A new bucket document.
-pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> Document {
-    let mut wm = Document::new();
+pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocumentBuf {
+    let mut wm = RawDocumentBuf::new();
     for (k, v) in &bucket.wm {
-        wm.insert(k.clone(), *v);
+        wm.append(k, *v);
     }
-    let history: Vec<Bson> = trades
-        .iter()
-        .map(|t| Bson::Document(t.doc.clone()))
-        .collect();
-    let tickers: Vec<&String> = bucket.tickers.iter().collect();
-    doc! {
-        "_id": &bucket.id,
-        "customerId": bucket.customer.clone(),
+    // Only an embedded document with a NUL in a field name fails to
+    // re-encode, and this value was either decoded from BSON (which cannot
+    // hold such a name) or built from a customer id.
+    let customer = RawBson::try_from(bucket.customer.clone())
+        .expect("a customer id taken from BSON re-encodes as BSON");
+    let tickers: RawArrayBuf = bucket.tickers.iter().map(String::as_str).collect();
+    rawdoc! {
+        "_id": bucket.id.as_str(),
+        "customerId": customer,
         "count": trades.len() as i64,
-        "history": history,
+        "history": history(trades),
         "tickers": tickers,
-        "prev": &bucket.prev,
+        "prev": bucket.prev.as_str(),
         "wm": wm,
     }
+}
+
+/// The trades' history entries, copied as encoded bytes.
+fn history(trades: &[&Trade]) -> RawArrayBuf {
+    let mut history = RawArrayBuf::new();
+    for t in trades {
+        history.push(t.doc.clone());
+    }
+    history
 }
 
 #[cfg(test)]
@@ -530,7 +541,9 @@ mod tests {
     #[test]
     fn chunks_respect_the_size_budget_and_keep_order() {
         let big = "x".repeat(3 * 1024 * 1024);
-        let statements: Vec<Document> = (0..5).map(|i| doc! {"i": i, "pad": &big}).collect();
+        let statements: Vec<RawDocumentBuf> = (0..5)
+            .map(|i| rawdoc! {"i": i, "pad": big.as_str()})
+            .collect();
         let chunks = chunk_by_size(statements);
         assert_eq!(
             chunks.iter().map(Vec::len).collect::<Vec<_>>(),

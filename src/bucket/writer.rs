@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::num::NonZeroUsize;
 
 use lru::LruCache;
-use mongodb::bson::Document;
+use mongodb::bson::RawDocumentBuf;
 
 use super::plan::{id_prefix, plan_customer, BucketHead, CustomerPlan, Event};
 use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
@@ -213,7 +213,7 @@ impl BucketWriter {
                 .collect();
             let mut fill_ok: Vec<bool> = vec![true; plans.len()];
             if !fillers.is_empty() {
-                let statements: Vec<Document> = fillers
+                let statements: Vec<RawDocumentBuf> = fillers
                     .iter()
                     .map(|&p| {
                         let fill = plans[p].1.fill.as_ref().expect("filtered");

@@ -15,7 +15,7 @@ fn ok(json: &str) -> Trade {
 
 /// The Decimal128 at `field`, as text.
 fn dec(t: &Trade, field: &str) -> String {
-    match t.doc.get(field) {
+    match t.entry().unwrap().get(field) {
         Some(Bson::Decimal128(d)) => d.to_string(),
         other => panic!("{field} is not a Decimal128: {other:?}"),
     }
@@ -56,25 +56,29 @@ fn the_issue_example_decodes_exactly() {
     assert_eq!(t.key, "t:T-9001");
     assert_eq!(t.customer, CustomerId::Int(123));
     assert_eq!(t.epoch_seconds(), 1_698_335_223);
-    assert_eq!(t.doc.get_i64("qty").unwrap(), 419);
+    assert_eq!(t.entry().unwrap().get_i64("qty").unwrap(), 419);
     assert_eq!(dec(&t, "price"), "61.25");
-    assert_eq!(t.doc.get_str("type").unwrap(), "buy");
+    assert_eq!(t.entry().unwrap().get_str("type").unwrap(), "buy");
     assert_eq!(
-        t.doc.get_datetime("date").unwrap().timestamp_millis(),
+        t.entry()
+            .unwrap()
+            .get_datetime("date")
+            .unwrap()
+            .timestamp_millis(),
         1_698_335_223_434
     );
     assert!(
-        t.doc.get("offsetMinutes").is_none(),
+        t.entry().unwrap().get("offsetMinutes").is_none(),
         "Z is UTC: no offset stored"
     );
-    assert_eq!(t.doc.get_str("key").unwrap(), "t:T-9001");
+    assert_eq!(t.entry().unwrap().get_str("key").unwrap(), "t:T-9001");
 }
 
 #[test]
 fn quantity_is_an_alias_of_qty_and_stored_as_qty() {
     let t = ok(&with("qty", None).replace('}', ",\"quantity\":50}"));
-    assert_eq!(t.doc.get_i64("qty").unwrap(), 50);
-    assert!(t.doc.get("quantity").is_none());
+    assert_eq!(t.entry().unwrap().get_i64("qty").unwrap(), 50);
+    assert!(t.entry().unwrap().get("quantity").is_none());
     let e = rejected(&with("qty", Some("1")).replace('}', ",\"quantity\":2}"));
     assert_eq!(e.kind, RejectKind::DuplicateField);
 }
@@ -105,9 +109,9 @@ fn string_customer_ids_keep_their_type() {
 fn a_non_utc_offset_is_kept_in_minutes_east_of_utc() {
     let t = ok(&with("date", Some(r#""2023-10-26T11:47:03.434-04:00""#)));
     assert_eq!(t.date_ms, 1_698_335_223_434, "stored as the UTC instant");
-    assert_eq!(t.doc.get_i32("offsetMinutes").unwrap(), -240);
+    assert_eq!(t.entry().unwrap().get_i32("offsetMinutes").unwrap(), -240);
     let t = ok(&with("date", Some(r#""2023-10-27T01:17:03+09:30""#)));
-    assert_eq!(t.doc.get_i32("offsetMinutes").unwrap(), 570);
+    assert_eq!(t.entry().unwrap().get_i32("offsetMinutes").unwrap(), 570);
     let t = ok(&with("date", Some("1698335223434")));
     assert_eq!(t.date_ms, 1_698_335_223_434);
 }
@@ -116,20 +120,21 @@ fn a_non_utc_offset_is_kept_in_minutes_east_of_utc() {
 fn without_trade_id_the_identity_is_the_source_position() {
     let t = ok(&with("tradeId", None));
     assert_eq!(t.key, "o:trades/3/42");
-    assert!(t.doc.get("tradeId").is_none());
+    assert!(t.entry().unwrap().get("tradeId").is_none());
 }
 
 #[test]
 fn numeric_trade_ids_share_the_identity_of_their_text() {
     let t = ok(&with("tradeId", Some("9001")));
     assert_eq!(t.key, "t:9001");
-    assert_eq!(t.doc.get_i64("tradeId").unwrap(), 9001);
+    assert_eq!(t.entry().unwrap().get_i64("tradeId").unwrap(), 9001);
 }
 
 #[test]
 fn unknown_fields_are_kept() {
     let t = ok(&with("venue", Some(r#"{"mic":"XNAS","legs":[1,2]}"#)));
-    let venue = t.doc.get_document("venue").unwrap();
+    let entry = t.entry().unwrap();
+    let venue = entry.get_document("venue").unwrap();
     assert_eq!(venue.get_str("mic").unwrap(), "XNAS");
     assert_eq!(venue.get_array("legs").unwrap().len(), 2);
 }
@@ -137,9 +142,9 @@ fn unknown_fields_are_kept() {
 #[test]
 fn optional_price_and_currency_may_be_absent_or_null() {
     let t = ok(&with("price", None));
-    assert!(t.doc.get("price").is_none());
+    assert!(t.entry().unwrap().get("price").is_none());
     let t = ok(&with("currency", Some("null")));
-    assert!(t.doc.get("currency").is_none());
+    assert!(t.entry().unwrap().get("currency").is_none());
 }
 
 #[test]
@@ -243,9 +248,14 @@ fn invalid_field_values_are_rejected_with_the_field_named() {
 
 #[test]
 fn zero_price_and_negative_zero_are_allowed() {
-    assert!(ok(&with("price", Some("0"))).doc.get("price").is_some());
+    assert!(ok(&with("price", Some("0")))
+        .entry()
+        .unwrap()
+        .get("price")
+        .is_some());
     assert!(ok(&with("price", Some(r#""-0.00""#)))
-        .doc
+        .entry()
+        .unwrap()
         .get("price")
         .is_some());
 }
@@ -299,7 +309,7 @@ proptest! {
         let text = utc.with_timezone(&offset).to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
         let t = ok(&with("date", Some(&format!("\"{text}\""))));
         prop_assert_eq!(t.date_ms, secs * 1000 + ms);
-        let stored = t.doc.get_i32("offsetMinutes").ok();
+        let stored = t.entry().unwrap().get_i32("offsetMinutes").ok();
         prop_assert_eq!(stored, (off_min != 0).then_some(off_min));
     }
 }

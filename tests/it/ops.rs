@@ -271,3 +271,44 @@ async fn prometheus_sees_every_written_event_and_the_lag_drain() {
     assert_eq!(worker.wait(Duration::from_secs(30)), Some(0));
     env.cleanup().await;
 }
+
+/// `produce --rate` paces the sends themselves: the topic fills while it
+/// runs, instead of receiving everything in one burst at the end (which a
+/// paced load test would silently measure instead).
+#[tokio::test]
+async fn produce_paces_its_sends_at_the_given_rate() {
+    let env = TestEnv::new("produce-rate", 1).await;
+    let (count, rate) = (300u64, 150u64);
+    let opts = tradebucket::cli::ProduceOptions {
+        topic: Some(env.topic.clone()),
+        count,
+        customers: 20,
+        skewed: false,
+        tickers: 8,
+        rate,
+        seed: 3,
+        no_keys: false,
+        first_id: 1000,
+    };
+    let settings = env.settings(&[]);
+    let producing = tokio::spawn(async move {
+        tradebucket::cli::produce(&settings, &opts, false)
+            .await
+            .expect("produce")
+    });
+    // Halfway through the 2 s run, about half the events are in the topic.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let halfway = env.end_offsets()[&0];
+    let (_, sent, seconds) = producing.await.unwrap();
+    assert_eq!(sent, count);
+    assert!(
+        seconds >= 1.9,
+        "300 events at 150/s took only {seconds:.2} s"
+    );
+    assert!(
+        (60..=240).contains(&halfway),
+        "after 1 s of a 2 s paced run the topic held {halfway} events"
+    );
+    assert_eq!(env.end_offsets()[&0], count as i64);
+    env.cleanup().await;
+}

@@ -1,6 +1,6 @@
 use std::collections::{BTreeMap, HashMap};
 
-use mongodb::bson::{doc, DateTime};
+use mongodb::bson::{rawdoc, DateTime};
 use proptest::prelude::*;
 
 use super::*;
@@ -11,7 +11,7 @@ fn trade(customer: i64, key: &str, secs: i64, ticker: &str) -> Trade {
         customer: CustomerId::Int(customer),
         ticker: ticker.to_string(),
         date_ms: secs * 1000,
-        doc: doc! {"key": key, "date": DateTime::from_millis(secs * 1000)},
+        doc: rawdoc! {"key": key, "date": DateTime::from_millis(secs * 1000)},
     }
 }
 
