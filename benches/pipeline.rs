@@ -52,6 +52,10 @@ struct Args {
     /// Seconds of steady load for the delay measurement.
     #[arg(long, default_value_t = 60)]
     latency_seconds: u64,
+    /// Steady loads for the delay measurement, as fractions of the first
+    /// set's throughput; the first is the target's (half).
+    #[arg(long, value_delimiter = ',', default_values_t = [0.5, 0.25, 0.1])]
+    latency_fractions: Vec<f64>,
     /// Skip the second set (quicker runs while optimising).
     #[arg(long)]
     no_second_set: bool,
@@ -161,13 +165,19 @@ async fn main() -> anyhow::Result<()> {
         audit.violations
     );
 
-    // 6. Delay at a steady half of the measured throughput.
-    let rate = (first.events_per_second / 2.0) as u64;
-    let latency = steady_delay(&settings, &args, rate, &produce).await?;
-    eprintln!(
-        "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s",
-        latency["p50_seconds"], latency["p99_seconds"]
-    );
+    // 6. Delay at a steady half of the measured throughput (the target),
+    // and at lighter loads, to show where the delay comes from.
+    let mut delays = Vec::new();
+    for (n, fraction) in args.latency_fractions.iter().enumerate() {
+        let rate = ((first.events_per_second * fraction) as u64).max(1);
+        let mut latency = steady_delay(&settings, &args, rate, n, &produce).await?;
+        eprintln!(
+            "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s",
+            latency["p50_seconds"], latency["p99_seconds"]
+        );
+        latency["fraction_of_max"] = json!(fraction);
+        delays.push(latency);
+    }
 
     let machine = json!({
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
@@ -190,7 +200,7 @@ async fn main() -> anyhow::Result<()> {
         "naive_baseline": {"events": args.naive_events, "events_per_second": naive_rate},
         "tradebucket_first": first,
         "tradebucket_second": second,
-        "delay": latency,
+        "delays": delays,
         "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
     });
     std::fs::write(
@@ -512,14 +522,15 @@ async fn steady_delay(
     settings: &Settings,
     args: &Args,
     rate: u64,
+    run: usize,
     produce: &dyn Fn(u64, u64, u64, &str) -> ProduceOptions,
 ) -> anyhow::Result<serde_json::Value> {
-    let topic = format!("{}-steady", settings.kafka.topics[0]);
+    let topic = format!("{}-steady{run}", settings.kafka.topics[0]);
     let mut s = with_env(
         settings,
         &topic,
-        &format!("{}_steady", settings.mongodb.database),
-        &format!("{}-steady", settings.kafka.group_id),
+        &format!("{}_steady{run}", settings.mongodb.database),
+        &format!("{}-steady{run}", settings.kafka.group_id),
         free_port(),
     );
     cli::init(&s, Some(args.partitions)).await?;

@@ -201,6 +201,15 @@ fn consumer_config(settings: &Settings) -> ClientConfig {
             ("max.poll.interval.ms", k.max_poll_interval_ms.to_string()),
             // Lag per partition comes from librdkafka's statistics.
             ("statistics.interval.ms", "5000".to_string()),
+            // Prefetched messages waiting for the loop: librdkafka's 64 MiB
+            // default would be most of the worker's memory; 16 MiB still
+            // holds several default batches of typical events.
+            ("queued.max.messages.kbytes", "16384".to_string()),
+            // Kafka answers a fetch as soon as data is there, but a broker
+            // that holds it until the wait ends (the local test broker does)
+            // would add up to 500 ms to every event's delay at low rates.
+            // Idle, this costs one empty fetch per broker every 100 ms.
+            ("fetch.wait.max.ms", "100".to_string()),
         ],
         &[
             ("group.id", k.group_id.clone()),

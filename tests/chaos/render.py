@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Prints the per-scenario tables of docs/reliability.md from the JSON
+reports a chaos run wrote (default: target/chaos/*.json), so the figures in
+the document are copied by a program, not by hand.
+
+    python3 tests/chaos/render.py [REPORT_DIR]
+"""
+import json
+import pathlib
+import sys
+
+directory = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "target/chaos")
+for path in sorted(directory.glob("s*.json")):
+    r = json.loads(path.read_text())
+    print(f"### {r['scenario']}: {r['title']}\n")
+    print(f"Size: {r['size']}; {r['seconds_total']} s in all, "
+          f"committed to the end after {r['seconds_until_committed_to_end']} s.\n")
+    print("| | expected | actual |")
+    print("|---|---:|---:|")
+    rows = [
+        ("events produced", r["events_produced"], r["events_produced"]),
+        ("distinct trades stored", r["trades_expected"], r["trades_stored"]),
+        ("trades lost", 0, r["lost"]),
+        ("trades duplicated", 0, r["duplicated"]),
+        ("unexpected trades stored", 0, r["unexpected"]),
+        ("partition-order violations", 0, r["order_violations"]),
+        ("dead-lettered (records)", r["dead_letters_expected"], r["dead_letters_actual"]),
+        ("dead letters with wrong headers/key/payload", 0, r["dead_letters_wrong"]),
+        ("`tradebucket audit` violations", 0, r["audit"].get("violations")),
+        ("`audit` trades", r["trades_expected"], r["audit"].get("trades")),
+        ("committed offsets at the end of the topic", "yes",
+         "yes" if r["committed_to_end"] else "no"),
+        ("SIGTERM exit codes", "all 0", ", ".join(str(c) for c in r["sigterm_exit_codes"])),
+    ]
+    for name, want, got in rows:
+        print(f"| {name} | {want} | {got} |")
+    print()
+    print(f"Setup: {r['partitions']} partitions, {r['customers']} customers, "
+          f"bucket capacity {r['capacity']}, "
+          f"{r['upstream_duplicates_produced']} upstream duplicates, "
+          f"{r['bad_events_produced']} bad events.\n")
+    faults = r["faults"]
+    print(f"Faults injected ({r['faults_injected']}):\n")
+    shown = faults if len(faults) <= 8 else faults[:4] + ["..."] + faults[-3:]
+    for f in shown:
+        print(f"- {f}")
+    print()
+    if r.get("poison_kinds"):
+        kinds = r["dead_letter_kinds_expected_actual"]
+        print("Poison produced: " + ", ".join(f"{k} {v}" for k, v in r["poison_kinds"].items()) + ".\n")
+        print("Dead letters per kind (expected / actual): "
+              + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in kinds.items()) + ".\n")
+    if r.get("notes"):
+        print("Also measured: " + "; ".join(f"{k} = {json.dumps(v)}" for k, v in r["notes"].items()) + ".\n")
+fuzz = directory / "fuzz.json"
+if fuzz.exists():
+    f = json.loads(fuzz.read_text())
+    print(f"### Decoder fuzz\n\n{f['inputs']} inputs ({f['accepted']} accepted as trades) "
+          f"in {f['seconds']} s; failure: {f['failure'] or 'none'}.\n")

@@ -1,0 +1,388 @@
+//! The seven scenarios of the chaos suite, one test each. Every one ends in
+//! `Scenario::finish`: zero trades lost or duplicated, `audit` clean, the
+//! dead-letter topic exactly the bad events, the group committed to the
+//! end, and every worker exiting 0 on SIGTERM.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+
+use crate::harness::*;
+use crate::helpers::*;
+
+/// The broker keeps a kill -9'd member registered for its session (10 s in
+/// the workers' test settings) and hands its partitions to nobody meanwhile
+/// (STACK.md); a restart after this delay is what an orchestrator's restart
+/// back-off gives.
+const SESSION_EXPIRY: Duration = Duration::from_secs(11);
+
+/// 1. Crash loop: kill -9 the only worker at random moments of the ingest,
+///    restarting it each time; after every kill, everything committed is
+///    stored and the buckets are sound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_crash_loop_kill9_at_random_moments() {
+    let n = events(20_000, 200_000);
+    let kills = kills(3, 25);
+    let mut s = Scenario::start(
+        "s1-crash-loop",
+        "Crash loop: kill -9 at random moments of the ingest",
+        4,
+        &[("TRADEBUCKET__KAFKA__SESSION_TIMEOUT_MS", "10000")],
+    )
+    .await;
+    let recs = number(good_events(1, n, true));
+    let placed = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs).await;
+    let total = n as i64;
+    let mut rng = StdRng::seed_from_u64(101);
+    let mut during_ingest = 0;
+    let mut not_stored = Vec::new();
+    let mut audits_after_kill = Vec::new();
+    for k in 0..kills {
+        let w = s.fleet.start();
+        let from = s.stack.committed_total();
+        // A random share of what is left, so the kills spread over the
+        // whole ingest and some are always left for the last ones.
+        let share = rng.random_range(0.1..0.9) / (kills - k) as f64;
+        let target = from + (((total - from) as f64) * share).max(1.0) as i64;
+        let progressed = wait_for(Duration::from_secs(120), || {
+            s.stack.committed_total() >= target
+        })
+        .await;
+        assert!(
+            progressed,
+            "life {k}: no progress to {target} within 120 s (committed {})",
+            s.stack.committed_total()
+        );
+        // A random moment after the commit we saw: mid-batch, mid-commit,
+        // mid-fetch.
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..250))).await;
+        w.kill9();
+        let killed_at = Instant::now();
+        let at = s.stack.committed_total();
+        if at < total {
+            during_ingest += 1;
+        }
+        s.fault(format!("kill -9 worker at {at}/{total} committed"));
+        not_stored.extend(committed_but_not_stored(&s.stack, &recs, &placed).await);
+        let settings = s
+            .stack
+            .env
+            .settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", &CAPACITY.to_string())]);
+        let audit = tradebucket::cli::audit(&settings, None)
+            .await
+            .expect("audit");
+        audits_after_kill.push(audit.violations.len());
+        let rest = SESSION_EXPIRY.saturating_sub(killed_at.elapsed());
+        tokio::time::sleep(rest).await;
+    }
+    s.note("kills_during_ingest", json!(during_ingest));
+    s.note(
+        "committed_but_not_stored_after_kills",
+        json!(not_stored.len()),
+    );
+    s.note("audit_violations_after_each_kill", json!(audits_after_kill));
+    if !not_stored.is_empty() {
+        s.failures.push(format!(
+            "committed but not stored after a kill: {:?}",
+            &not_stored[..not_stored.len().min(5)]
+        ));
+    }
+    if audits_after_kill.iter().any(|&v| v > 0) {
+        s.failures
+            .push("audit violations right after a kill".to_string());
+    }
+    let w = s.fleet.start();
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// 2. A consumer group of three: rolling SIGTERM restarts, and kill -9 of
+///    one instance followed by its restart, while events keep arriving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_group_rolling_restarts_and_a_kill() {
+    let n = events(20_000, 100_000);
+    let rounds = pick(1, 2);
+    let mut s = Scenario::start(
+        "s2-group",
+        "Group of three: rolling SIGTERM restarts, kill -9 and restart",
+        6,
+        &[],
+    )
+    .await;
+    let recs = Arc::new(number(good_events(2, n, true)));
+    let producer = produce_paced(
+        s.stack.env.kafka.clone(),
+        s.stack.env.topic.clone(),
+        recs.clone(),
+        pick(20, 60),
+        Duration::from_millis(pick(1000, 1000)),
+    );
+    let mut workers: Vec<Option<WorkerProcess>> = (0..3).map(|_| Some(s.fleet.start())).collect();
+    let mut rng = StdRng::seed_from_u64(202);
+    wait_for(Duration::from_secs(60), || s.stack.committed_total() > 0).await;
+    for round in 0..rounds {
+        for (i, slot) in workers.iter_mut().enumerate() {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(1000..3000))).await;
+            s.sigterm(slot.take().unwrap());
+            s.fault(format!(
+                "round {round}: SIGTERM instance {i} (exit {:?}) and restart",
+                s.exit_codes.last().unwrap()
+            ));
+            *slot = Some(s.fleet.start());
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(1000..3000))).await;
+        let j = rng.random_range(0..3);
+        workers[j].take().unwrap().kill9();
+        s.fault(format!(
+            "round {round}: kill -9 instance {j} at {} committed, restarted 1 s later",
+            s.stack.committed_total()
+        ));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        workers[j] = Some(s.fleet.start());
+    }
+    let placed = producer.await.expect("producer task");
+    s.finish(workers.into_iter().flatten().collect(), &recs, &placed)
+        .await;
+}
+
+/// 3. The broker killed -9 and restarted on its data while the worker is
+///    mid-ingest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_broker_kill9_and_restart() {
+    let n = events(20_000, 100_000);
+    let restarts = pick(1, 3);
+    let mut s = Scenario::start(
+        "s3-broker-restart",
+        "Broker kill -9 and restart on the same data, mid-stream",
+        4,
+        &[],
+    )
+    .await;
+    let recs = number(good_events(3, n, true));
+    let segment = n.div_ceil(restarts + 1);
+    let mut placed = Vec::with_capacity(n);
+    let mut rng = StdRng::seed_from_u64(303);
+    let first = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[..segment]).await;
+    placed.extend(first);
+    let w = s.fleet.start();
+    for k in 0..restarts {
+        // Mid-ingest of what has been produced so far.
+        let target = (placed.len() as f64 * rng.random_range(0.3..0.8)) as i64;
+        wait_for(Duration::from_secs(120), || {
+            s.stack.committed_total() >= target
+        })
+        .await;
+        s.stack.kafka.kill9();
+        s.fault(format!(
+            "kill -9 broker at {target}+ of {} committed",
+            placed.len()
+        ));
+        tokio::time::sleep(Duration::from_millis(rng.random_range(500..3000))).await;
+        s.stack.kafka.restart().await;
+        let range = (k + 1) * segment..((k + 2) * segment).min(n);
+        // A new producer after the restart: the event set goes on.
+        let more = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[range]).await;
+        placed.extend(more);
+    }
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// 4. The database stopped mid-stream and restarted on its data: the worker
+///    is not ready and commits nothing meanwhile, and heals by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_database_outage() {
+    let n = events(20_000, 100_000);
+    let outage = Duration::from_secs(pick(10, 30));
+    let mut s = Scenario::start(
+        "s4-database-outage",
+        "Database stopped mid-stream and restarted on the same data",
+        4,
+        &[],
+    )
+    .await;
+    let recs = Arc::new(number(good_events(4, n, true)));
+    let half = n / 2;
+    let mut placed = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[..half]).await;
+    let port = free_port();
+    let w = s
+        .fleet
+        .start_with(&[("TRADEBUCKET__HTTP__LISTEN", format!("127.0.0.1:{port}"))]);
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    let ready = |body: Option<(u16, String)>| matches!(body, Some((200, _)));
+    let was_ready = {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut ok = false;
+        while Instant::now() < deadline && !ok {
+            ok = ready(http_get(&readyz).await);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        ok
+    };
+    if !was_ready {
+        s.failures.push("never ready before the outage".into());
+    }
+    let target = (half as f64 * 0.3) as i64;
+    wait_for(Duration::from_secs(120), || {
+        s.stack.committed_total() >= target
+    })
+    .await;
+    s.stack.mongo.stop();
+    let stopped = Instant::now();
+    s.fault(format!(
+        "SIGTERM the database at {} of {half} committed, down {} s",
+        s.stack.committed_total(),
+        outage.as_secs()
+    ));
+    // The rest of the events arrive during the outage.
+    let producer = produce_paced(
+        s.stack.env.kafka.clone(),
+        s.stack.env.topic.clone(),
+        Arc::new(recs[half..].to_vec()),
+        5,
+        Duration::from_millis(500),
+    );
+    // A batch acknowledged just before the stop may still commit; after
+    // that, nothing may.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let frozen = s.stack.committed_total();
+    let mut not_ready = 0;
+    let mut reasons = std::collections::BTreeSet::new();
+    let mut probes = 0;
+    while stopped.elapsed() < outage {
+        probes += 1;
+        match http_get(&readyz).await {
+            Some((200, _)) => {}
+            Some((code, body)) => {
+                not_ready += 1;
+                reasons.insert(format!("{code} {}", body.trim()));
+            }
+            None => {
+                reasons.insert("no answer".to_string());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let committed_during = s.stack.committed_total() - frozen;
+    placed.extend(producer.await.expect("producer task"));
+    s.stack.mongo.restart().await;
+    let back = Instant::now();
+    s.fault("database restarted on the same data".into());
+    let mut recovered = None;
+    while back.elapsed() < Duration::from_secs(120) {
+        if ready(http_get(&readyz).await) {
+            recovered = Some(back.elapsed().as_secs_f64());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    s.note("readyz_probes_during_outage", json!(probes));
+    s.note("readyz_not_ready_during_outage", json!(not_ready));
+    s.note("readyz_reasons", json!(reasons));
+    s.note("commits_during_outage", json!(committed_during));
+    s.note("seconds_to_ready_after_restart", json!(recovered));
+    if not_ready == 0 {
+        s.failures
+            .push("the worker never reported not-ready during the outage".into());
+    }
+    if committed_during != 0 {
+        s.failures.push(format!(
+            "{committed_during} offsets committed while the database was down"
+        ));
+    }
+    if recovered.is_none() {
+        s.failures
+            .push("not ready again within 120 s of the restart".into());
+    }
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// 5. Poison: 5% bad events of fifteen kinds interleaved with good ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_poison_mix() {
+    let n = events(20_000, 100_000);
+    let s = Scenario::start(
+        "s5-poison",
+        "Poison mix: 5% bad events of fifteen kinds",
+        4,
+        &[],
+    )
+    .await;
+    // n events in all, 5% of them bad.
+    let goods = n - n / 20;
+    let recs = number(with_poison(good_events(5, goods, true), 0.05, 55));
+    let placed = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs).await;
+    let mut s = s;
+    let w = s.fleet.start();
+    s.fault(format!(
+        "{} bad events among {} interleaved",
+        recs.iter()
+            .filter(|r| matches!(r.class, Class::Bad { .. }))
+            .count(),
+        recs.len()
+    ));
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// 6. Upstream duplicates: 10% of the events produced again, same
+///    `tradeId`, at later offsets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_upstream_duplicates() {
+    let n = events(20_000, 100_000);
+    let mut s = Scenario::start(
+        "s6-duplicates",
+        "Upstream duplicates: 10% produced again at later offsets",
+        4,
+        &[],
+    )
+    .await;
+    let recs = number(with_duplicates(good_events(6, n, true), 0.10, 66));
+    let placed = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs).await;
+    let w = s.fleet.start();
+    s.fault(format!(
+        "{} upstream duplicates among {}",
+        recs.iter()
+            .filter(|r| matches!(r.class, Class::Duplicate { .. }))
+            .count(),
+        recs.len()
+    ));
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// 7. Unfriendly keys: no customer keys (every customer spread over every
+///    partition), two instances of one group, one restarted mid-stream;
+///    order holds per source partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s7_unfriendly_keys() {
+    let n = events(20_000, 100_000);
+    let mut s = Scenario::start(
+        "s7-unfriendly-keys",
+        "No customer keys, two instances, one restarted mid-stream",
+        4,
+        &[],
+    )
+    .await;
+    let recs = Arc::new(number(good_events(7, n, false)));
+    let producer = produce_paced(
+        s.stack.env.kafka.clone(),
+        s.stack.env.topic.clone(),
+        recs.clone(),
+        pick(10, 30),
+        Duration::from_millis(700),
+    );
+    let a = s.fleet.start();
+    let b = s.fleet.start();
+    wait_for(Duration::from_secs(60), || {
+        s.stack.committed_total() > (n / 20) as i64
+    })
+    .await;
+    s.sigterm(a);
+    s.fault(format!(
+        "SIGTERM instance 0 mid-stream (exit {:?}) and restart",
+        s.exit_codes.last().unwrap()
+    ));
+    let a = s.fleet.start();
+    let placed = producer.await.expect("producer task");
+    s.finish(vec![a, b], &recs, &placed).await;
+}
