@@ -51,7 +51,7 @@ fn check_config_prints_the_effective_layers_with_secrets_redacted() {
     // Layers: default < file < environment.
     assert!(stdout.contains("capacity = 50"), "{stdout}");
     assert!(stdout.contains("linger_ms = 9"), "{stdout}");
-    assert!(stdout.contains("max_events = 5000"), "{stdout}");
+    assert!(stdout.contains("max_events = 20000"), "{stdout}");
     assert!(
         stdout.contains("\"security.protocol\" = \"SASL_SSL\""),
         "{stdout}"
