@@ -175,6 +175,33 @@ impl Stack {
         self.env.vars(&all)
     }
 
+    /// Waits until the broker answers a watermark query within a second,
+    /// three times in a row.
+    pub async fn wait_broker_responsive(&self, timeout: Duration) {
+        let probe: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.env.kafka)
+            .create()
+            .expect("probe client");
+        let deadline = Instant::now() + timeout;
+        let mut quick = 0;
+        while quick < 3 {
+            assert!(
+                Instant::now() < deadline,
+                "the broker did not answer promptly within {timeout:?}"
+            );
+            let asked = Instant::now();
+            let answered = probe
+                .fetch_watermarks(&self.env.topic, 0, Duration::from_secs(5))
+                .is_ok();
+            quick = if answered && asked.elapsed() < Duration::from_secs(1) {
+                quick + 1
+            } else {
+                0
+            };
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
     /// Sum of the group's committed offsets (the cheap progress measure).
     pub fn committed_total(&self) -> i64 {
         self.committed().map_or(0, |c| c.values().sum())
