@@ -168,7 +168,7 @@ impl Stack {
             // Longer than the helpers' 10 s: on two loaded cores the local
             // broker has stalled heartbeats for 10 s, and a member that
             // times out and rejoins is never assigned again by it (see
-            // docs/reliability.md). Scenarios that kill -9 set it shorter.
+            // docs/reliability.md). A kill -9'd worker is restarted after it.
             ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT_MS", "30000"),
         ];
         all.extend_from_slice(extra);
