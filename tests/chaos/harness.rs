@@ -88,18 +88,7 @@ impl Stack {
     pub async fn start(name: &str, partitions: i32) -> Stack {
         let kafka = PrivateKafka::start().await;
         let mongo = PrivateMongo::start().await;
-        let base = unique(name);
-        let env = TestEnv {
-            kafka: kafka.brokers(),
-            mongo_uri: mongo.uri(),
-            db: base.replace('-', "_"),
-            topic: format!("{base}.trades"),
-            dlq: format!("{base}.trades.dlq"),
-            group: format!("{base}-group"),
-            partitions,
-        };
-        create_topic(&env.kafka, &env.topic, partitions).await;
-        create_topic(&env.kafka, &env.dlq, 1).await;
+        let env = TestEnv::on(kafka.brokers(), mongo.uri(), name, partitions).await;
         let group = ClientConfig::new()
             .set("bootstrap.servers", &env.kafka)
             .set("group.id", &env.group)

@@ -89,10 +89,15 @@ pub struct TestEnv {
 
 impl TestEnv {
     pub async fn new(name: &str, partitions: i32) -> TestEnv {
+        TestEnv::on(kafka_brokers(), mongodb_uri(), name, partitions).await
+    }
+
+    /// The same, on the given servers (private ones, for fault tests).
+    pub async fn on(kafka: String, mongo_uri: String, name: &str, partitions: i32) -> TestEnv {
         let base = unique(name);
         let env = TestEnv {
-            kafka: kafka_brokers(),
-            mongo_uri: mongodb_uri(),
+            kafka,
+            mongo_uri,
             db: base.replace('-', "_"),
             topic: format!("{base}.trades"),
             dlq: format!("{base}.trades.dlq"),
