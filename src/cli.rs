@@ -374,25 +374,8 @@ pub async fn produce(
         if !opts.no_keys {
             record = record.key(&key);
         }
-        // `send_result` hands the record to librdkafka now (the async
-        // `send` would only do so when polled, so a paced run would send
-        // nothing until the end); a full local queue waits for acks.
-        loop {
-            match producer.send_result(record) {
-                Ok(delivery) => {
-                    in_flight.push(delivery);
-                    break;
-                }
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                    record = back;
-                    match in_flight.next().await {
-                        Some(ack) => delivered(ack)?,
-                        None => tokio::time::sleep(Duration::from_millis(10)).await,
-                    }
-                }
-                Err((e, _)) => return Err(e.into()),
-            }
-        }
+        // Enqueued at once, so --rate paces the real sends.
+        in_flight.push(crate::kafka::enqueue(&producer, record).await?);
         // Bound memory: at most this many unacknowledged sends.
         while in_flight.len() >= 50_000 {
             if let Some(ack) = in_flight.next().await {

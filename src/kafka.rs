@@ -19,10 +19,12 @@ use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
-use rdkafka::error::KafkaResult;
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::message::ToBytes;
 use rdkafka::message::{Header, Headers, OwnedHeaders};
-use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord};
+use rdkafka::producer::{BaseProducer, DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::TopicPartitionList;
 
 use crate::config::Settings;
@@ -250,6 +252,30 @@ pub fn consumer(
 
 pub fn producer(settings: &Settings) -> KafkaResult<FutureProducer> {
     producer_config(settings).create()
+}
+
+/// Hands `record` to librdkafka now, waiting while its local queue is full
+/// (the producer's own thread empties it as the broker acknowledges). The
+/// async `FutureProducer::send` would only enqueue when first polled, so a
+/// caller that gathers its futures would send nothing until it awaits them.
+pub async fn enqueue<K, P>(
+    producer: &FutureProducer,
+    mut record: FutureRecord<'_, K, P>,
+) -> KafkaResult<DeliveryFuture>
+where
+    K: ToBytes + ?Sized,
+    P: ToBytes + ?Sized,
+{
+    loop {
+        match producer.send_result(record) {
+            Ok(delivery) => return Ok(delivery),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                record = back;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err((e, _)) => return Err(e),
+        }
+    }
 }
 
 /// Has librdkafka check every property of both clients, names and values,

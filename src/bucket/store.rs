@@ -83,6 +83,8 @@ pub struct BucketStore {
     db: Database,
     coll: Collection<Document>,
     write_concern: WriteConcern,
+    /// `write_concern` as the raw `update` command spells it, encoded once.
+    write_concern_doc: RawDocumentBuf,
     load_concurrency: usize,
 }
 
@@ -125,6 +127,7 @@ impl BucketStore {
             client,
             db,
             coll,
+            write_concern_doc: write_concern_doc(&write_concern),
             write_concern,
             load_concurrency: settings.load_concurrency,
         })
@@ -236,8 +239,6 @@ impl BucketStore {
     ) -> Result<FillOutcome, StoreError> {
         let mut outcome = FillOutcome::default();
         let mut base = 0;
-        let write_concern = RawDocumentBuf::from_document(&write_concern_doc(&self.write_concern))
-            .map_err(|e| StoreError::Failed(format!("cannot encode the write concern: {e}")))?;
         for chunk in chunk_by_size(statements) {
             let len = chunk.len();
             let mut updates = RawArrayBuf::new();
@@ -250,7 +251,7 @@ impl BucketStore {
                     "update": self.coll.name(),
                     "updates": updates,
                     "ordered": false,
-                    "writeConcern": write_concern.clone(),
+                    "writeConcern": self.write_concern_doc.clone(),
                 })
                 .await?;
             let part = parse_write_reply(&reply)?;
@@ -335,15 +336,16 @@ pub fn prefix_range(customer: &CustomerId) -> Document {
     doc! {"_id": {"$gte": format!("{id}_"), "$lt": format!("{id}`")}}
 }
 
-fn write_concern_doc(wc: &WriteConcern) -> Document {
-    let mut d = Document::new();
+/// The `writeConcern` field of a raw command.
+fn write_concern_doc(wc: &WriteConcern) -> RawDocumentBuf {
+    let mut d = RawDocumentBuf::new();
     match &wc.w {
-        Some(Acknowledgment::Nodes(n)) => d.insert("w", i64::from(*n)),
-        Some(Acknowledgment::Custom(s)) => d.insert("w", s.clone()),
-        _ => d.insert("w", "majority"),
-    };
+        Some(Acknowledgment::Nodes(n)) => d.append("w", i64::from(*n)),
+        Some(Acknowledgment::Custom(s)) => d.append("w", s.as_str()),
+        _ => d.append("w", "majority"),
+    }
     if let Some(j) = wc.journal {
-        d.insert("j", j);
+        d.append("j", j);
     }
     d
 }

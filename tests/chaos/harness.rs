@@ -14,10 +14,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::{json, Value};
 
@@ -107,27 +105,7 @@ impl Stack {
     /// `None` when the broker does not answer in time (it may be down, or
     /// busy: callers poll again).
     pub fn committed(&self) -> Option<BTreeMap<i32, i64>> {
-        let mut tpl = TopicPartitionList::new();
-        for p in 0..self.env.partitions {
-            tpl.add_partition(&self.env.topic, p);
-        }
-        let committed = self
-            .group
-            .committed_offsets(tpl, Duration::from_secs(10))
-            .ok()?;
-        Some(
-            committed
-                .elements()
-                .iter()
-                .map(|e| {
-                    let o = match e.offset() {
-                        Offset::Offset(o) => o,
-                        _ => 0,
-                    };
-                    (e.partition(), o)
-                })
-                .collect(),
-        )
+        self.env.committed_via(&self.group).ok()
     }
 
     /// The end of each partition, retried until the broker answers.
@@ -498,19 +476,10 @@ pub async fn produce(brokers: &str, topic: &str, recs: &[Rec]) -> Vec<(i32, i64)
         if let Some(p) = r.msg.partition {
             record = record.partition(p);
         }
-        loop {
-            match producer.send_result(record) {
-                Ok(f) => {
-                    pending.push(f);
-                    break;
-                }
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                    record = back;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err((e, _)) => panic!("produce: {e}"),
-            }
-        }
+        let delivery = tradebucket::kafka::enqueue(&producer, record)
+            .await
+            .unwrap_or_else(|e| panic!("produce: {e}"));
+        pending.push(delivery);
     }
     let mut out = Vec::with_capacity(pending.len());
     for f in pending {

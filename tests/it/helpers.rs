@@ -19,6 +19,7 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::error::KafkaResult;
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
@@ -213,15 +214,19 @@ impl TestEnv {
 
     /// The group's committed offsets (next to read) per partition.
     pub fn committed(&self) -> BTreeMap<i32, i64> {
-        let consumer = self.group_consumer();
+        self.committed_via(&self.group_consumer())
+            .expect("committed offsets")
+    }
+
+    /// The same through `consumer` (any client of this group), or the
+    /// broker's error, for callers that poll through a slow broker.
+    pub fn committed_via(&self, consumer: &BaseConsumer) -> KafkaResult<BTreeMap<i32, i64>> {
         let mut tpl = TopicPartitionList::new();
         for p in 0..self.partitions {
             tpl.add_partition(&self.topic, p);
         }
-        let committed = consumer
-            .committed_offsets(tpl, Duration::from_secs(10))
-            .expect("committed offsets");
-        committed
+        let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
+        Ok(committed
             .elements()
             .iter()
             .map(|e| {
@@ -233,7 +238,7 @@ impl TestEnv {
                     },
                 )
             })
-            .collect()
+            .collect())
     }
 
     /// The end of each partition.
