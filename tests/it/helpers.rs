@@ -649,6 +649,17 @@ impl PrivateKafka {
                 .create()
                 .expect("client");
             if probe.fetch_metadata(None, Duration::from_secs(2)).is_ok() {
+                // The index Tansu's per-record header lookup lacks; without
+                // it a topic with headers (every dead letter has them)
+                // makes each fetch scan all headers per record and the
+                // broker stalls for minutes (scripts/stack explains).
+                let db = self.dir.join("tansu.db");
+                let status = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack"))
+                    .arg("index-kafka")
+                    .arg(&db)
+                    .status()
+                    .expect("run scripts/stack index-kafka");
+                assert!(status.success(), "index-kafka {db:?}: {status}");
                 return;
             }
             assert!(Instant::now() < deadline, "private Kafka did not come up");
