@@ -132,10 +132,11 @@ impl Stack {
             // Smaller than the default so a run has many commits, hence
             // many distinct moments a kill can land between.
             ("TRADEBUCKET__BATCH__MAX_EVENTS", "1000"),
-            // Longer than the helpers' 10 s: on two loaded cores the local
-            // broker has stalled heartbeats for 10 s, and a member that
-            // times out and rejoins is never assigned again by it (see
-            // docs/reliability.md). A kill -9'd worker is restarted after it.
+            // Longer than the helpers' 10 s: the local broker has stalled
+            // heartbeats for 10 s (its missing header index, since fixed),
+            // and a member that times out and rejoins is never assigned
+            // again by it (see docs/reliability.md). A kill -9'd worker is
+            // restarted after it.
             ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT_MS", "30000"),
         ];
         all.extend_from_slice(extra);

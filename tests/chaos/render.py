@@ -52,6 +52,10 @@ for path in sorted(directory.glob("s*.json")):
               + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in kinds.items()) + ".\n")
     if r.get("notes"):
         print("Also measured: " + "; ".join(f"{k} = {json.dumps(v)}" for k, v in r["notes"].items()) + ".\n")
+    # Test functions are named after the scenario's number (s1_..., s2_...).
+    size = "TRADEBUCKET_CHAOS=full " if r["size"] == "full" else ""
+    number = r["scenario"].split("-")[0]
+    print(f"Rerun: `{size}cargo test --test chaos {number}_ -- --nocapture`\n")
 fuzz = directory / "fuzz.json"
 if fuzz.exists():
     f = json.loads(fuzz.read_text())
