@@ -71,10 +71,12 @@ pub struct FillOutcome {
     pub errors: Vec<StatementError>,
 }
 
-/// Result of an ordered insert: everything before `failed` was inserted.
+/// Result of an insert: the documents that were refused. An ordered insert
+/// stops at its first refusal (everything before it was inserted, nothing
+/// after it attempted); an unordered one attempts every document.
 #[derive(Debug, Default)]
 pub struct InsertOutcome {
-    pub failed: Option<StatementError>,
+    pub errors: Vec<StatementError>,
 }
 
 #[derive(Clone)]
@@ -265,17 +267,20 @@ impl BucketStore {
         Ok(outcome)
     }
 
-    /// Inserts new buckets in order, stopping at the first failure so a
-    /// customer's chain never gets a bucket after a missing one.
+    /// Inserts new buckets. `ordered` stops at the first refusal, which is
+    /// what keeps a customer's chain from getting a bucket after a missing
+    /// one when several of its buckets share the command; unordered
+    /// attempts every document and reports every refusal.
     pub async fn insert_buckets(
         &self,
         docs: Vec<RawDocumentBuf>,
+        ordered: bool,
     ) -> Result<InsertOutcome, StoreError> {
         if docs.is_empty() {
             return Ok(InsertOutcome::default());
         }
         let options = InsertManyOptions::builder()
-            .ordered(true)
+            .ordered(ordered)
             .write_concern(self.write_concern.clone())
             .build();
         let raw = self.coll.clone_with_type::<RawDocumentBuf>();
@@ -283,23 +288,26 @@ impl BucketStore {
             Ok(_) => Ok(InsertOutcome::default()),
             Err(e) => match *e.kind {
                 ErrorKind::InsertMany(ref failure) if failure.write_concern_error.is_none() => {
-                    match failure.write_errors.as_ref().and_then(|w| w.first()) {
-                        Some(w) => Ok(InsertOutcome {
-                            failed: Some(StatementError {
-                                index: w.index,
-                                code: w.code,
-                                message: w.message.clone(),
-                            }),
+                    match failure.write_errors.as_deref() {
+                        Some(errors) if !errors.is_empty() => Ok(InsertOutcome {
+                            errors: errors
+                                .iter()
+                                .map(|w| StatementError {
+                                    index: w.index,
+                                    code: w.code,
+                                    message: w.message.clone(),
+                                })
+                                .collect(),
                         }),
-                        None => Err(StoreError::Transient(e)),
+                        _ => Err(StoreError::Transient(e)),
                     }
                 }
                 ErrorKind::Write(WriteFailure::WriteError(ref w)) => Ok(InsertOutcome {
-                    failed: Some(StatementError {
+                    errors: vec![StatementError {
                         index: 0,
                         code: w.code,
                         message: w.message.clone(),
-                    }),
+                    }],
                 }),
                 _ => Err(StoreError::Transient(e)),
             },

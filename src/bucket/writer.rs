@@ -1,5 +1,6 @@
 //! Writes one batch of trades into buckets: plan every customer, send all
-//! fills in one command, then all new buckets in one ordered insert, and
+//! fills in one command, then every customer's first new bucket in one
+//! unordered insert and the rest of the chains in one ordered insert, and
 //! re-plan whoever hit a conflict, until every event has an outcome.
 //!
 //! The writer keeps each customer's newest bucket in a bounded LRU cache
@@ -257,58 +258,83 @@ impl BucketWriter {
                 }
             }
 
-            // Phase 2: new buckets of customers whose fill (if any) held,
-            // in one ordered insert, customer by customer, chain in order.
-            let mut docs = Vec::new();
-            let mut owner: Vec<(usize, usize)> = Vec::new(); // (plan, bucket)
-            for (p, (_, plan)) in plans.iter().enumerate() {
-                if !fill_ok[p] {
+            // Phase 2: new buckets of customers whose fill (if any) held.
+            // A chain must never get a bucket after a missing one, and one
+            // customer's refused bucket (an upstream duplicate trips the
+            // unique key index) must not hold back everyone after it, which
+            // an ordered insert of everything would: each refusal would
+            // cost a round and a reload of every later customer. So first
+            // every customer's first new bucket in one unordered insert,
+            // then the rest of the chains (only customers with more than
+            // `capacity` new events in the batch), chain by chain in one
+            // ordered insert, for the customers whose first bucket went in.
+            let mut chain_ok = fill_ok.clone();
+            for ordered in [false, true] {
+                let owner: Vec<(usize, usize)> = plans
+                    .iter()
+                    .enumerate()
+                    .filter(|&(p, _)| chain_ok[p])
+                    .flat_map(|(p, (_, plan))| {
+                        let n = plan.new_buckets.len();
+                        let buckets = if ordered { 1..n } else { 0..n.min(1) };
+                        buckets.map(move |b| (p, b))
+                    })
+                    .collect();
+                if owner.is_empty() {
                     continue;
                 }
-                for (b, nb) in plan.new_buckets.iter().enumerate() {
-                    docs.push(bucket_document(nb, &trades_of(events, &nb.events)));
-                    owner.push((p, b));
-                }
-            }
-            let inserted_upto = if docs.is_empty() {
-                0
-            } else {
-                let total = docs.len();
+                let docs: Vec<RawDocumentBuf> = owner
+                    .iter()
+                    .map(|&(p, b)| {
+                        let nb = &plans[p].1.new_buckets[b];
+                        bucket_document(nb, &trades_of(events, &nb.events))
+                    })
+                    .collect();
                 let timer = self.timer("insert");
-                let outcome = self.store.insert_buckets(docs).await?;
+                let outcome = self.store.insert_buckets(docs, ordered).await?;
                 timer.observe_duration();
-                match outcome.failed {
-                    None => total,
-                    Some(e) => {
-                        let (p, b) = owner[e.index];
-                        if e.is_duplicate_key() {
-                            conflicted.push(plans[p].0.clone());
-                        } else {
-                            let nb = &plans[p].1.new_buckets[b];
-                            refused(outcomes, isolate, &plans[p].0, &nb.events, &e.message);
-                            stale.push(plans[p].0.clone());
-                        }
-                        // Later customers were not attempted: plan them again.
-                        for &(q, _) in &owner[e.index + 1..] {
-                            if q != p {
-                                stale.push(plans[q].0.clone());
-                            }
-                        }
-                        e.index
+                let mut refused_docs: HashSet<usize> = HashSet::new();
+                for e in &outcome.errors {
+                    refused_docs.insert(e.index);
+                    let (p, b) = owner[e.index];
+                    chain_ok[p] = false;
+                    if e.is_duplicate_key() {
+                        conflicted.push(plans[p].0.clone());
+                    } else {
+                        let nb = &plans[p].1.new_buckets[b];
+                        refused(outcomes, isolate, &plans[p].0, &nb.events, &e.message);
+                        stale.push(plans[p].0.clone());
                     }
                 }
-            };
-            for &(p, b) in &owner[..inserted_upto] {
-                let nb = &plans[p].1.new_buckets[b];
-                settle(outcomes, &nb.events, Outcome::Written);
+                // An ordered insert attempted nothing after its refusal:
+                // those customers are planned again from their true state.
+                let attempted = match (ordered, outcome.errors.first()) {
+                    (true, Some(e)) => e.index + 1,
+                    _ => owner.len(),
+                };
+                for &(q, _) in &owner[attempted..] {
+                    if chain_ok[q] {
+                        chain_ok[q] = false;
+                        stale.push(plans[q].0.clone());
+                    }
+                }
+                for (i, &(p, b)) in owner[..attempted].iter().enumerate() {
+                    if !refused_docs.contains(&i) {
+                        settle(
+                            outcomes,
+                            &plans[p].1.new_buckets[b].events,
+                            Outcome::Written,
+                        );
+                        stats.buckets_created += 1;
+                    }
+                }
             }
-            stats.buckets_created += inserted_upto;
 
             // Customers whose every operation held are done; the cache now
             // holds their new newest bucket.
             let unsettled: HashSet<&CustomerId> = conflicted.iter().chain(stale.iter()).collect();
             for (p, (customer, plan)) in plans.iter().enumerate() {
-                if fill_ok[p] && !unsettled.contains(customer) {
+                if chain_ok[p] && !unsettled.contains(customer) {
                     self.cache.put(customer.clone(), plan.after.clone());
                     // An isolated customer wrote one event: more may wait.
                     let done = idx_all_final(pending.get(customer), outcomes);

@@ -6,3 +6,4 @@ mod helpers;
 mod ops;
 mod pipeline;
 mod plumbing;
+mod writer;
