@@ -14,7 +14,7 @@
 //! Run through `scripts/bench`, which starts the stack, builds, runs this
 //! and renders `docs/benchmarks.md` and its chart from the JSON it writes.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -360,7 +360,7 @@ async fn database_ceiling(
             customer,
             None,
             &events,
-            &HashSet::new(),
+            &plan::Known::default(),
             settings.buckets.capacity,
         );
         for b in &p.new_buckets {

@@ -15,7 +15,9 @@
 //! - `wm` (watermark) maps each source partition to the highest offset whose
 //!   event is in the customer's buckets, advanced in the same atomic update
 //!   as the append. Events of one partition are applied in offset order, so
-//!   everything at or below it is already stored: replays skip it cheaply.
+//!   everything at or below it is already stored: replays skip it. (Unless
+//!   the offsets went backwards under the same topic name; the writer looks
+//!   such events' keys up, see [`Known::not_stored`].)
 //!
 //! Any guard miss or duplicate key means our view was stale: reload the
 //! newest bucket and plan again. Re-planning is idempotent by the rules
@@ -76,6 +78,20 @@ pub struct NewBucket {
     pub events: Vec<usize>,
     pub wm: BTreeMap<String, i64>,
     pub tickers: BTreeSet<String>,
+}
+
+/// What the writer learnt from the database about a customer's keys,
+/// beyond its newest bucket.
+#[derive(Debug, Clone, Default)]
+pub struct Known {
+    /// Keys stored in one of the customer's older buckets: duplicates.
+    pub elsewhere: HashSet<String>,
+    /// Keys of events at or below their partition's watermark that are in
+    /// none of the customer's buckets. The watermark is wrong for them: the
+    /// partition's offsets went backwards under the same topic name (the
+    /// topic was deleted and recreated, or its log truncated). They are
+    /// planned like new events; their key still guards against a double.
+    pub not_stored: HashSet<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -151,20 +167,21 @@ pub fn plan_customer(
     customer: &CustomerId,
     head: Option<&BucketHead>,
     events: &[Event<'_>],
-    known_elsewhere: &HashSet<String>,
+    known: &Known,
     capacity: u32,
 ) -> CustomerPlan {
     let mut plan = CustomerPlan::default();
     let mut accepted: Vec<Event<'_>> = Vec::with_capacity(events.len());
     let mut seen: HashSet<&str> = HashSet::new();
     for ev in events {
-        let applied = head
-            .and_then(|h| h.wm.get(&ev.source.partition_key()))
-            .is_some_and(|&wm| ev.source.offset <= wm);
+        let applied = !known.not_stored.contains(&ev.trade.key)
+            && head
+                .and_then(|h| h.wm.get(&ev.source.partition_key()))
+                .is_some_and(|&wm| ev.source.offset <= wm);
         if applied {
             plan.already_applied.push(ev.index);
         } else if head.is_some_and(|h| h.keys.contains(&ev.trade.key))
-            || known_elsewhere.contains(&ev.trade.key)
+            || known.elsewhere.contains(&ev.trade.key)
             || !seen.insert(&ev.trade.key)
         {
             plan.duplicates.push(ev.index);

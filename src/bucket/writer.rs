@@ -14,7 +14,7 @@ use std::num::NonZeroUsize;
 use lru::LruCache;
 use mongodb::bson::RawDocumentBuf;
 
-use super::plan::{id_prefix, plan_customer, BucketHead, CustomerPlan, Event};
+use super::plan::{id_prefix, plan_customer, BucketHead, CustomerPlan, Event, Known};
 use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 use crate::metrics::Metrics;
@@ -54,6 +54,9 @@ pub struct WriteStats {
     pub buckets_created: usize,
     pub conflicts: usize,
     pub heads_loaded: usize,
+    /// Events at or below their partition's watermark whose trade was not
+    /// stored (offsets went backwards), written as new.
+    pub below_watermark_unstored: usize,
 }
 
 pub struct BucketWriter {
@@ -117,14 +120,14 @@ impl BucketWriter {
             customers: by_customer.len(),
             ..WriteStats::default()
         };
-        let mut elsewhere: HashMap<CustomerId, HashSet<String>> = HashMap::new();
+        let mut known: HashMap<CustomerId, Known> = HashMap::new();
         let mut isolate: HashSet<CustomerId> = HashSet::new();
         let result = self
             .rounds(
                 events,
                 outcomes,
                 &mut by_customer,
-                &mut elsewhere,
+                &mut known,
                 &mut isolate,
                 &mut stats,
             )
@@ -144,11 +147,12 @@ impl BucketWriter {
         events: &[(Trade, Source)],
         outcomes: &mut [Outcome],
         pending: &mut BTreeMap<CustomerId, Vec<usize>>,
-        elsewhere: &mut HashMap<CustomerId, HashSet<String>>,
+        known: &mut HashMap<CustomerId, Known>,
         isolate: &mut HashSet<CustomerId>,
         stats: &mut WriteStats,
     ) -> Result<(), StoreError> {
         let mut stalled = 0;
+        let mut verified: HashSet<usize> = HashSet::new();
         while !pending.is_empty() {
             stats.rounds += 1;
             let settled_before = outcomes.iter().filter(|o| o.is_final()).count();
@@ -159,9 +163,11 @@ impl BucketWriter {
                 )));
             }
             self.load_missing(pending, stats).await?;
+            self.verify_below_watermark(events, outcomes, pending, &mut verified, known, stats)
+                .await?;
 
             // Plan every pending customer against its cached head.
-            let no_keys = HashSet::new();
+            let nothing_known = Known::default();
             let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(pending.len());
             for (customer, idx) in pending.iter() {
                 let head = self.cache.get(customer).cloned().flatten();
@@ -180,8 +186,8 @@ impl BucketWriter {
                 if isolate.contains(customer) {
                     evs.truncate(1);
                 }
-                let known = elsewhere.get(customer).unwrap_or(&no_keys);
-                let plan = plan_customer(customer, head.as_ref(), &evs, known, self.capacity);
+                let learnt = known.get(customer).unwrap_or(&nothing_known);
+                let plan = plan_customer(customer, head.as_ref(), &evs, learnt, self.capacity);
                 settle(outcomes, &plan.already_applied, Outcome::AlreadyApplied);
                 settle(outcomes, &plan.duplicates, Outcome::Duplicate);
                 for (i, why) in &plan.unplaceable {
@@ -354,7 +360,7 @@ impl BucketWriter {
                 stalled + 1
             };
             if !conflicted.is_empty() {
-                self.learn_stored_keys(events, outcomes, pending, &conflicted, elsewhere)
+                self.learn_stored_keys(events, outcomes, pending, &conflicted, known)
                     .await?;
             }
         }
@@ -385,6 +391,84 @@ impl BucketWriter {
         Ok(())
     }
 
+    /// An event at or below its partition's watermark is normally a
+    /// redelivery of a stored trade. But a partition's offsets can go
+    /// backwards under the same topic name (a topic deleted and recreated,
+    /// a log truncated), and then the watermark would skip trades that were
+    /// never stored, silently. So the key of every such event not in the
+    /// cached newest bucket is looked up once per batch: in one of the
+    /// customer's buckets, it is a redelivery; anywhere else or nowhere,
+    /// its offset is stale and it is planned like a new event (its key
+    /// still guards against a double). Costs one query, and only when a
+    /// batch holds redelivered events.
+    async fn verify_below_watermark(
+        &mut self,
+        events: &[(Trade, Source)],
+        outcomes: &[Outcome],
+        pending: &BTreeMap<CustomerId, Vec<usize>>,
+        verified: &mut HashSet<usize>,
+        known: &mut HashMap<CustomerId, Known>,
+        stats: &mut WriteStats,
+    ) -> Result<(), StoreError> {
+        let mut asked: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (customer, idx) in pending {
+            let Some(Some(head)) = self.cache.peek(customer) else {
+                continue;
+            };
+            for &i in idx {
+                let (trade, source) = &events[i];
+                let below = head
+                    .wm
+                    .get(&source.partition_key())
+                    .is_some_and(|&wm| source.offset <= wm);
+                if below
+                    && !outcomes[i].is_final()
+                    && !head.keys.contains(&trade.key)
+                    && verified.insert(i)
+                {
+                    asked.entry(trade.key.as_str()).or_default().push(i);
+                }
+            }
+        }
+        if asked.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<String> = asked.keys().map(|k| k.to_string()).collect();
+        let timer = self.timer("find_keys");
+        let found = self.store.find_keys(&keys).await?;
+        timer.observe_duration();
+        let mut stored: HashSet<usize> = HashSet::new();
+        for (key, bucket_id) in &found {
+            for &i in asked.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
+                if bucket_id.starts_with(&id_prefix(&events[i].0.customer)) {
+                    stored.insert(i);
+                }
+            }
+        }
+        let mut unstored = 0;
+        for &i in asked.values().flatten() {
+            if !stored.contains(&i) {
+                let trade = &events[i].0;
+                known
+                    .entry(trade.customer.clone())
+                    .or_default()
+                    .not_stored
+                    .insert(trade.key.clone());
+                unstored += 1;
+            }
+        }
+        if unstored > 0 {
+            tracing::warn!(
+                events = unstored,
+                "events at or below their partition's stored watermark are not stored: \
+                 the partition's offsets went backwards (topic recreated or log truncated?); \
+                 writing them as new"
+            );
+        }
+        stats.below_watermark_unstored += unstored;
+        Ok(())
+    }
+
     /// After a duplicate-key error: which of the conflicted customers'
     /// keys are already stored? In one of their own buckets, the event is a
     /// duplicate; in another customer's, the trade id is contested and the
@@ -395,7 +479,7 @@ impl BucketWriter {
         outcomes: &mut [Outcome],
         pending: &BTreeMap<CustomerId, Vec<usize>>,
         conflicted: &[CustomerId],
-        elsewhere: &mut HashMap<CustomerId, HashSet<String>>,
+        known: &mut HashMap<CustomerId, Known>,
     ) -> Result<(), StoreError> {
         let mut owner_of: HashMap<&str, Vec<usize>> = HashMap::new();
         for customer in conflicted {
@@ -416,9 +500,10 @@ impl BucketWriter {
             for &i in owner_of.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
                 let customer = &events[i].0.customer;
                 if bucket_id.starts_with(&id_prefix(customer)) {
-                    elsewhere
+                    known
                         .entry(customer.clone())
                         .or_default()
+                        .elsewhere
                         .insert(key.clone());
                 } else if !outcomes[i].is_final() {
                     outcomes[i] = Outcome::DeadLetter(Reject::new(

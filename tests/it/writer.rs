@@ -102,3 +102,46 @@ async fn refused_new_buckets_cost_one_more_round_not_one_each() {
     );
     env.cleanup().await;
 }
+
+/// A topic deleted and recreated under the same name starts its offsets
+/// at 0 again, below the watermarks stored for it. The new topic's trades
+/// must be stored, not skipped as already applied, while a redelivery of
+/// the old topic's events (to a writer with a cold cache, as after a
+/// restart) is still recognised and skipped.
+#[tokio::test]
+async fn offsets_going_backwards_never_skip_an_unstored_trade() {
+    let env = TestEnv::new("writer-backwards", 1).await;
+    let store = env.store().await;
+    store.init().await.expect("indexes");
+    let topic = env.topic.clone();
+    let batch = |prefix: &str, n: i64| -> Vec<(Trade, Source)> {
+        (0..n)
+            .map(|o| event(&format!("{prefix}{o}"), o % 5, o, &topic))
+            .collect()
+    };
+    let old = batch("old-", 50);
+    let reborn = batch("new-", 20);
+
+    let mut writer = BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());
+    let mut outcomes = vec![Outcome::Pending; old.len()];
+    writer.write(&old, &mut outcomes).await.expect("old topic");
+    assert!(outcomes.iter().all(|o| *o == Outcome::Written));
+
+    let mut outcomes = vec![Outcome::Pending; reborn.len()];
+    let stats = writer
+        .write(&reborn, &mut outcomes)
+        .await
+        .expect("new topic");
+    assert_eq!(outcomes, vec![Outcome::Written; reborn.len()]);
+    assert_eq!(stats.below_watermark_unstored, reborn.len(), "{stats:?}");
+
+    let mut cold = BucketWriter::new(store, CAPACITY, 10_000, Metrics::new());
+    let mut outcomes = vec![Outcome::Pending; old.len()];
+    let stats = cold.write(&old, &mut outcomes).await.expect("redelivery");
+    assert_eq!(outcomes, vec![Outcome::AlreadyApplied; old.len()]);
+    assert_eq!(stats.below_watermark_unstored, 0, "{stats:?}");
+
+    let report = audit_clean(&env, CAPACITY).await;
+    assert_eq!(report.trades, 70);
+    env.cleanup().await;
+}

@@ -1,4 +1,4 @@
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use mongodb::bson::{rawdoc, DateTime};
 use proptest::prelude::*;
@@ -89,7 +89,7 @@ fn the_manual_example_fills_one_bucket_per_customer() {
             source,
         })
         .collect();
-    let plan = plan_customer(&CustomerId::Int(123), None, &events, &HashSet::new(), 10);
+    let plan = plan_customer(&CustomerId::Int(123), None, &events, &Known::default(), 10);
     assert!(plan.fill.is_none());
     assert_eq!(plan.new_buckets.len(), 1);
     let b = &plan.new_buckets[0];
@@ -129,7 +129,7 @@ fn fills_the_open_bucket_then_opens_successors_in_order() {
         &CustomerId::Int(5),
         Some(&head),
         &events,
-        &HashSet::new(),
+        &Known::default(),
         10,
     );
     let fill = plan.fill.as_ref().unwrap();
@@ -181,14 +181,55 @@ fn skips_what_the_watermark_and_keys_say_is_stored() {
             source,
         })
         .collect();
-    let elsewhere: HashSet<String> = ["dup-elsewhere".to_string()].into_iter().collect();
-    let plan = plan_customer(&CustomerId::Int(5), Some(&head), &events, &elsewhere, 10);
+    let known = Known {
+        elsewhere: ["dup-elsewhere".to_string()].into_iter().collect(),
+        ..Known::default()
+    };
+    let plan = plan_customer(&CustomerId::Int(5), Some(&head), &events, &known, 10);
     assert_eq!(plan.already_applied, vec![0]);
     assert_eq!(plan.duplicates, vec![1, 2, 4]);
     let fill = plan.fill.unwrap();
     assert_eq!(fill.events, vec![3, 5]);
     assert_eq!(fill.wm.get("t~x:0"), Some(&23));
     assert_eq!(fill.wm.get("t~x:1"), Some(&3));
+}
+
+#[test]
+fn a_key_known_not_stored_is_planned_even_below_the_watermark() {
+    // The topic was recreated: offsets 0 and 1 are below the stored
+    // watermark 20, but the writer found "reborn" in no bucket.
+    let head = BucketHead {
+        id: "5_0000000100".into(),
+        customer: Bson::Int64(5),
+        count: 3,
+        keys: HashSet::new(),
+        wm: [("t~x:0".to_string(), 20)].into_iter().collect(),
+    };
+    let trades = [
+        trade(5, "stored-long-ago", 100, "A"),
+        trade(5, "reborn", 101, "A"),
+    ];
+    let sources = [src(0, 0), src(0, 1)];
+    let events: Vec<Event<'_>> = trades
+        .iter()
+        .zip(&sources)
+        .enumerate()
+        .map(|(index, (trade, source))| Event {
+            index,
+            trade,
+            source,
+        })
+        .collect();
+    let known = Known {
+        not_stored: ["reborn".to_string()].into_iter().collect(),
+        ..Known::default()
+    };
+    let plan = plan_customer(&CustomerId::Int(5), Some(&head), &events, &known, 10);
+    assert_eq!(plan.already_applied, vec![0]);
+    let fill = plan.fill.unwrap();
+    assert_eq!(fill.events, vec![1]);
+    // `$max`: the watermark never moves back.
+    assert_eq!(plan.after.unwrap().wm.get("t~x:0"), Some(&20));
 }
 
 #[test]
@@ -210,7 +251,7 @@ fn a_foreign_newest_bucket_makes_events_unplaceable_not_misplaced() {
             trade: &t,
             source: &s,
         }],
-        &HashSet::new(),
+        &Known::default(),
         10,
     );
     assert!(!plan.has_writes());
@@ -320,13 +361,13 @@ fn write_batch(
             });
     }
     for (customer, events) in by_customer {
-        let mut elsewhere = HashSet::new();
+        let mut known = Known::default();
         for _round in 0..100 {
             let head = cache
                 .entry(customer.clone())
                 .or_insert_with(|| model.head(&customer))
                 .clone();
-            let plan = plan_customer(&customer, head.as_ref(), &events, &elsewhere, capacity);
+            let plan = plan_customer(&customer, head.as_ref(), &events, &known, capacity);
             let keys_of = |idx: &[usize]| {
                 idx.iter()
                     .map(|&i| batch[i].0.key.clone())
@@ -376,7 +417,7 @@ fn write_batch(
             cache.remove(&customer);
             for ev in &events {
                 if model.key_exists(&ev.trade.key) {
-                    elsewhere.insert(ev.trade.key.clone());
+                    known.elsewhere.insert(ev.trade.key.clone());
                 }
             }
         }
