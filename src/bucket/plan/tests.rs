@@ -5,6 +5,19 @@ use proptest::prelude::*;
 
 use super::*;
 
+/// The planner's view of `trades` read from `sources`, in batch order.
+fn events_of<'a>(trades: &'a [Trade], sources: &'a [Source]) -> Vec<Event<'a>> {
+    trades
+        .iter()
+        .zip(sources)
+        .enumerate()
+        .map(|(index, (trade, source))| Event {
+            index,
+            trade,
+            source,
+        })
+        .collect()
+}
 fn trade(customer: i64, key: &str, secs: i64, ticker: &str) -> Trade {
     Trade {
         key: key.to_string(),
@@ -79,16 +92,7 @@ fn the_manual_example_fills_one_bucket_per_customer() {
         trade(123, "d", 1_698_925_390, "MSFT"),
     ];
     let sources: Vec<Source> = (0..3).map(|o| src(0, o)).collect();
-    let events: Vec<Event<'_>> = trades
-        .iter()
-        .zip(&sources)
-        .enumerate()
-        .map(|(index, (trade, source))| Event {
-            index,
-            trade,
-            source,
-        })
-        .collect();
+    let events = events_of(&trades, &sources);
     let plan = plan_customer(&CustomerId::Int(123), None, &events, &Known::default(), 10);
     assert!(plan.fill.is_none());
     assert_eq!(plan.new_buckets.len(), 1);
@@ -115,16 +119,7 @@ fn fills_the_open_bucket_then_opens_successors_in_order() {
         .map(|i| trade(5, &format!("k{}", i + 1), 100, "A"))
         .collect();
     let sources: Vec<Source> = (10..15).map(|o| src(0, o)).collect();
-    let events: Vec<Event<'_>> = trades
-        .iter()
-        .zip(&sources)
-        .enumerate()
-        .map(|(index, (trade, source))| Event {
-            index,
-            trade,
-            source,
-        })
-        .collect();
+    let events = events_of(&trades, &sources);
     let plan = plan_customer(
         &CustomerId::Int(5),
         Some(&head),
@@ -171,16 +166,7 @@ fn skips_what_the_watermark_and_keys_say_is_stored() {
         src(0, 24),
         src(1, 3),
     ];
-    let events: Vec<Event<'_>> = trades
-        .iter()
-        .zip(&sources)
-        .enumerate()
-        .map(|(index, (trade, source))| Event {
-            index,
-            trade,
-            source,
-        })
-        .collect();
+    let events = events_of(&trades, &sources);
     let known = Known {
         elsewhere: ["dup-elsewhere".to_string()].into_iter().collect(),
         ..Known::default()
@@ -210,16 +196,7 @@ fn a_key_known_not_stored_is_planned_even_below_the_watermark() {
         trade(5, "reborn", 101, "A"),
     ];
     let sources = [src(0, 0), src(0, 1)];
-    let events: Vec<Event<'_>> = trades
-        .iter()
-        .zip(&sources)
-        .enumerate()
-        .map(|(index, (trade, source))| Event {
-            index,
-            trade,
-            source,
-        })
-        .collect();
+    let events = events_of(&trades, &sources);
     let known = Known {
         not_stored: ["reborn".to_string()].into_iter().collect(),
         ..Known::default()
