@@ -47,6 +47,16 @@ pub struct BucketHead {
     pub wm: BTreeMap<String, i64>,
 }
 
+impl BucketHead {
+    /// Whether `source`'s offset is at or below this bucket's watermark for
+    /// its partition: stored by an earlier delivery, if offsets only grew.
+    pub fn covers(&self, source: &Source) -> bool {
+        self.wm
+            .get(&source.partition_key())
+            .is_some_and(|&wm| source.offset <= wm)
+    }
+}
+
 /// One event of the batch, as the planner sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Event<'a> {
@@ -174,10 +184,8 @@ pub fn plan_customer(
     let mut accepted: Vec<Event<'_>> = Vec::with_capacity(events.len());
     let mut seen: HashSet<&str> = HashSet::new();
     for ev in events {
-        let applied = !known.not_stored.contains(&ev.trade.key)
-            && head
-                .and_then(|h| h.wm.get(&ev.source.partition_key()))
-                .is_some_and(|&wm| ev.source.offset <= wm);
+        let applied =
+            !known.not_stored.contains(&ev.trade.key) && head.is_some_and(|h| h.covers(ev.source));
         if applied {
             plan.already_applied.push(ev.index);
         } else if head.is_some_and(|h| h.keys.contains(&ev.trade.key))

@@ -417,11 +417,7 @@ impl BucketWriter {
             };
             for &i in idx {
                 let (trade, source) = &events[i];
-                let below = head
-                    .wm
-                    .get(&source.partition_key())
-                    .is_some_and(|&wm| source.offset <= wm);
-                if below
+                if head.covers(source)
                     && !outcomes[i].is_final()
                     && !head.keys.contains(&trade.key)
                     && verified.insert(i)

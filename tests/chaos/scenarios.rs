@@ -318,7 +318,7 @@ async fn s4_database_outage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s5_poison_mix() {
     let n = events(20_000, 100_000);
-    let s = Scenario::start(
+    let mut s = Scenario::start(
         "s5-poison",
         "Poison mix: 5% bad events of fifteen kinds",
         4,
@@ -329,7 +329,6 @@ async fn s5_poison_mix() {
     let goods = n - n / 20;
     let recs = number(with_poison(good_events(5, goods, true), 0.05, 55));
     let placed = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs).await;
-    let mut s = s;
     let w = s.fleet.start();
     s.fault(format!(
         "{} bad events among {} interleaved",
