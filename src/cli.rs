@@ -19,6 +19,8 @@ use rdkafka::types::RDKafkaErrorCode;
 
 use crate::bucket::plan::parse_bucket_id;
 use crate::bucket::store::{prefix_range, BucketStore, StoreError};
+use secrecy::ExposeSecret;
+
 use crate::config::Settings;
 use crate::event::CustomerId;
 
@@ -42,7 +44,7 @@ fn admin_config(settings: &Settings) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &settings.kafka.brokers);
     for (k, v) in &settings.kafka.options {
-        c.set(k, v);
+        c.set(k, v.expose_secret());
     }
     c
 }
@@ -50,7 +52,7 @@ fn admin_config(settings: &Settings) -> ClientConfig {
 /// Creates the indexes; with `partitions`, also the source and dead-letter
 /// topics that do not exist yet.
 pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<Vec<String>, CliError> {
-    let store = BucketStore::connect(&settings.mongodb).await?;
+    let store = BucketStore::connect(settings).await?;
     store.init().await?;
     let mut created = Vec::new();
     if let Some(partitions) = partitions {
@@ -88,7 +90,7 @@ pub async fn page(
     if n == 0 {
         return Err(CliError::Usage("pages are numbered from 1".into()));
     }
-    let store = BucketStore::connect(&settings.mongodb).await?;
+    let store = BucketStore::connect(settings).await?;
     Ok(store
         .page(customer, n)
         .await?
@@ -113,7 +115,7 @@ pub async fn audit(
     customer: Option<&CustomerId>,
 ) -> Result<AuditReport, CliError> {
     const MAX_LISTED: usize = 100;
-    let store = BucketStore::connect(&settings.mongodb).await?;
+    let store = BucketStore::connect(settings).await?;
     let capacity = u64::from(settings.buckets.capacity);
     let filter = customer.map(prefix_range).unwrap_or_default();
     let mut cursor = store

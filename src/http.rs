@@ -13,26 +13,29 @@ use axum::Router;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::health::Health;
 use crate::metrics::Metrics;
-use crate::pipeline::Health;
-
-/// A loop turn takes at most a linger or an idle second, plus a batch
-/// write; a minute without one means it is stuck, not busy. Retry sleeps
-/// tick too, so an outage is "not ready", never "not alive".
-const STALL: Duration = Duration::from_secs(60);
 
 #[derive(Clone)]
 struct AppState {
     metrics: Metrics,
     health: Arc<Health>,
+    /// `timeouts.liveness_stall`: a loop that has not turned this long is
+    /// stuck, not busy. Retry waits tick too, so an outage is "not ready",
+    /// never "not alive".
+    stall: Duration,
 }
 
-pub fn router(metrics: Metrics, health: Arc<Health>) -> Router {
+pub fn router(metrics: Metrics, health: Arc<Health>, stall: Duration) -> Router {
     Router::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(AppState { metrics, health })
+        .with_state(AppState {
+            metrics,
+            health,
+            stall,
+        })
 }
 
 /// Serves until `shutdown`.
@@ -40,9 +43,10 @@ pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
     health: Arc<Health>,
+    stall: Duration,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(metrics, health))
+    axum::serve(listener, router(metrics, health, stall))
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
 }
@@ -56,7 +60,7 @@ async fn metrics_handler(State(s): State<AppState>) -> impl IntoResponse {
 }
 
 async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
-    match s.health.liveness(STALL) {
+    match s.health.liveness(s.stall) {
         Ok(()) => (StatusCode::OK, "ok\n".to_string()),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
     }

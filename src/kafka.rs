@@ -4,14 +4,13 @@
 //! Offsets: `enable.auto.offset.store=false` and `enable.auto.commit=false`.
 //! After a batch is durably handled, the pipeline stores the *next* offset
 //! to read (last handled + 1, Kafka's convention) and commits it. The
-//! rebalance callback runs inside `recv()` on the pipeline's own task, so it
-//! never races a batch being written: between batches nothing is in flight
-//! but the unwritten buffer, which the pipeline still writes (see
-//! `Pipeline::apply_revocations` for why) but commits only for partitions
-//! it still owns.
+//! rebalance callbacks run inside `recv()` on the pipeline's own task and
+//! tell it what changed as [`GroupEvent`] messages, which it reads before
+//! it commits: it commits only partitions it still owns.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use rdkafka::client::ClientContext;
@@ -27,6 +26,8 @@ use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::TopicPartitionList;
 
+use secrecy::ExposeSecret;
+
 use crate::config::Settings;
 use crate::event::Reject;
 use crate::metrics::Metrics;
@@ -39,20 +40,21 @@ pub const H_SOURCE_TOPIC: &str = "tradebucket.source.topic";
 pub const H_SOURCE_PARTITION: &str = "tradebucket.source.partition";
 pub const H_SOURCE_OFFSET: &str = "tradebucket.source.offset";
 
-/// What the rebalance callback tells the pipeline.
-#[derive(Debug, Default)]
-pub struct GroupState {
-    /// Partitions revoked since the pipeline last looked.
-    pub revoked: Vec<TopicPartition>,
-    /// The current assignment.
-    pub assignment: BTreeSet<TopicPartition>,
-    /// Bumped on every assignment change.
-    pub generation: u64,
+/// A change of this member's assignment, sent by the rebalance callbacks
+/// in the order they ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GroupEvent {
+    Assigned(Vec<TopicPartition>),
+    Revoked(Vec<TopicPartition>),
 }
 
 pub struct ConsumerCtx {
-    pub group: Arc<Mutex<GroupState>>,
-    pub metrics: Metrics,
+    /// Where the rebalance callbacks report to the loop.
+    events: Sender<GroupEvent>,
+    /// The partitions this member owns, for the statistics callback's lag
+    /// series only (it runs on librdkafka's own thread, not the loop's).
+    owned: Mutex<BTreeSet<TopicPartition>>,
+    metrics: Metrics,
 }
 
 impl ClientContext for ConsumerCtx {
@@ -60,8 +62,8 @@ impl ClientContext for ConsumerCtx {
         // Only partitions this member owns: a partition handed to another
         // member is reported there, and a stale series here would make a
         // group-wide sum of lag wrong.
-        let assigned = match self.group.lock() {
-            Ok(g) => g.assignment.clone(),
+        let assigned = match self.owned.lock() {
+            Ok(owned) => owned.clone(),
             Err(_) => return,
         };
         for (topic, t) in &stats.topics {
@@ -87,6 +89,22 @@ impl ClientContext for ConsumerCtx {
 }
 
 impl ConsumerCtx {
+    /// Records an assignment change for the lag series and the gauge, and
+    /// tells the loop.
+    fn changed(&self, event: GroupEvent) {
+        if let Ok(mut owned) = self.owned.lock() {
+            match &event {
+                GroupEvent::Assigned(tps) => owned.extend(tps.iter().cloned()),
+                GroupEvent::Revoked(tps) => tps.iter().for_each(|tp| {
+                    owned.remove(tp);
+                }),
+            }
+            self.metrics.assigned_partitions.set(owned.len() as i64);
+        }
+        // The receiver is gone only when the loop has ended.
+        let _ = self.events.send(event);
+    }
+
     fn forget_lag(&self, topic: &str, partition: i32) {
         // Err only means the series did not exist.
         let _ = self
@@ -121,15 +139,7 @@ impl ConsumerContext for ConsumerCtx {
             for (topic, partition) in &revoked {
                 self.forget_lag(topic, *partition);
             }
-            let mut g = self.group.lock().expect("group state lock");
-            for tp in &revoked {
-                g.assignment.remove(tp);
-            }
-            g.revoked.extend(revoked);
-            g.generation += 1;
-            self.metrics
-                .assigned_partitions
-                .set(g.assignment.len() as i64);
+            self.changed(GroupEvent::Revoked(revoked));
         }
     }
 
@@ -142,12 +152,7 @@ impl ConsumerContext for ConsumerCtx {
                     .rebalances
                     .with_label_values(&["assigned"])
                     .inc();
-                let mut g = self.group.lock().expect("group state lock");
-                g.assignment.extend(assigned);
-                g.generation += 1;
-                self.metrics
-                    .assigned_partitions
-                    .set(g.assignment.len() as i64);
+                self.changed(GroupEvent::Assigned(assigned));
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
             Rebalance::Revoke(_) => {}
@@ -185,7 +190,7 @@ fn client_config(
         c.set(*key, value);
     }
     for (key, value) in &k.options {
-        c.set(key, value);
+        c.set(key, value.expose_secret());
     }
     for (key, value) in fixed {
         c.set(*key, value);
@@ -198,9 +203,12 @@ fn consumer_config(settings: &Settings) -> ClientConfig {
     client_config(
         settings,
         &[
-            ("auto.offset.reset", k.auto_offset_reset.clone()),
-            ("session.timeout.ms", k.session_timeout_ms.to_string()),
-            ("max.poll.interval.ms", k.max_poll_interval_ms.to_string()),
+            (
+                "auto.offset.reset",
+                k.auto_offset_reset.as_str().to_string(),
+            ),
+            ("session.timeout.ms", millis(k.session_timeout)),
+            ("max.poll.interval.ms", millis(k.max_poll_interval)),
             // Lag per partition comes from librdkafka's statistics.
             ("statistics.interval.ms", "5000".to_string()),
             // Prefetched messages waiting for the loop: librdkafka's 64 MiB
@@ -227,7 +235,10 @@ fn producer_config(settings: &Settings) -> ClientConfig {
         settings,
         &[
             ("linger.ms", "5".to_string()),
-            ("message.timeout.ms", "30000".to_string()),
+            (
+                "message.timeout.ms",
+                millis(settings.timeouts.dead_letter_delivery),
+            ),
         ],
         // Idempotence: a retried send never writes a dead letter twice in
         // one producer session (acks=all comes with it).
@@ -235,23 +246,32 @@ fn producer_config(settings: &Settings) -> ClientConfig {
     )
 }
 
+/// The group consumer, subscribed, and the receiving end of its
+/// rebalance callbacks' [`GroupEvent`]s.
 pub fn consumer(
     settings: &Settings,
     metrics: Metrics,
-) -> KafkaResult<(StreamConsumer<ConsumerCtx>, Arc<Mutex<GroupState>>)> {
-    let group = Arc::new(Mutex::new(GroupState::default()));
-    let consumer: StreamConsumer<ConsumerCtx> =
-        consumer_config(settings).create_with_context(ConsumerCtx {
-            group: group.clone(),
-            metrics,
-        })?;
+) -> Result<(StreamConsumer<ConsumerCtx>, Receiver<GroupEvent>), SetupError> {
+    let (events, received) = channel();
+    let context = ConsumerCtx {
+        events,
+        owned: Mutex::new(BTreeSet::new()),
+        metrics,
+    };
+    let consumer: StreamConsumer<ConsumerCtx> = consumer_config(settings)
+        .create_with_context(context)
+        .map_err(|e| SetupError::new(settings, e))?;
     let topics: Vec<&str> = settings.kafka.topics.iter().map(String::as_str).collect();
-    consumer.subscribe(&topics)?;
-    Ok((consumer, group))
+    consumer
+        .subscribe(&topics)
+        .map_err(|e| SetupError::new(settings, e))?;
+    Ok((consumer, received))
 }
 
-pub fn producer(settings: &Settings) -> KafkaResult<FutureProducer> {
-    producer_config(settings).create()
+pub fn producer(settings: &Settings) -> Result<FutureProducer, SetupError> {
+    producer_config(settings)
+        .create()
+        .map_err(|e| SetupError::new(settings, e))
 }
 
 /// Hands `record` to librdkafka now, waiting while its local queue is full
@@ -278,13 +298,36 @@ where
     }
 }
 
+/// A Kafka client librdkafka refused to create. The message is librdkafka's
+/// with every secret of the settings removed: it quotes the value of a
+/// property it refuses, and that may be a password.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct SetupError(String);
+
+impl SetupError {
+    fn new(settings: &Settings, e: KafkaError) -> Self {
+        SetupError(settings.scrubber().scrub(&e.to_string()))
+    }
+}
+
 /// Has librdkafka check every property of both clients, names and values,
 /// without joining the group or sending anything: a misspelt or unsupported
 /// `kafka.options` entry fails `check-config`, not the first deployment.
-pub fn check_options(settings: &Settings) -> KafkaResult<()> {
-    consumer_config(settings).create::<BaseConsumer>()?;
-    producer_config(settings).create::<BaseProducer>()?;
+pub fn check_options(settings: &Settings) -> Result<(), SetupError> {
+    let scrubbed = |e| SetupError::new(settings, e);
+    consumer_config(settings)
+        .create::<BaseConsumer>()
+        .map_err(scrubbed)?;
+    producer_config(settings)
+        .create::<BaseProducer>()
+        .map_err(scrubbed)?;
     Ok(())
+}
+
+/// librdkafka's `*.ms` properties.
+fn millis(d: Duration) -> String {
+    d.as_millis().to_string()
 }
 
 /// One event bound for the dead-letter topic.
@@ -361,7 +404,7 @@ mod tests {
         let mut s = Settings::load_from(None, Some(BTreeMap::new())).unwrap();
         s.kafka.options = options
             .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .map(|(k, v)| (k.to_string(), v.to_string().into()))
             .collect();
         s
     }
@@ -401,5 +444,43 @@ mod tests {
         assert_eq!(c.get("enable.auto.offset.store"), Some("false"));
         assert_eq!(c.get("fetch.max.bytes"), Some("1048576"));
         assert_eq!(producer_config(&s).get("enable.idempotence"), Some("true"));
+    }
+
+    /// librdkafka quotes the value of a property it cannot take (here: the
+    /// OAuth/OIDC ones, which need libcurl, not built in), so a refused
+    /// secret would reach `check-config`'s output and the start-up error.
+    #[test]
+    fn librdkafka_refusals_never_carry_a_secret() {
+        let secret_options = [
+            "sasl.password",
+            "sasl.oauthbearer.client.secret",
+            "sasl.oauthbearer.client.credentials.client.secret",
+            "sasl.oauthbearer.config",
+            "sasl.oauthbearer.extensions",
+            "sasl.oauthbearer.assertion.private.key.passphrase",
+            "sasl.oauthbearer.assertion.private.key.pem",
+            "ssl.key.password",
+            "ssl.key.pem",
+            "ssl.keystore.password",
+        ];
+        let mut echoed = 0;
+        for protocol in ["PLAINTEXT", "SSL", "SASL_SSL"] {
+            for option in secret_options {
+                let value = "Se5cret-value";
+                let s = settings_with(&[("security.protocol", protocol), (option, value)]);
+                let raw = consumer_config(&s).create::<BaseConsumer>().err();
+                echoed += usize::from(raw.is_some_and(|e| e.to_string().contains(value)));
+                if let Err(e) = check_options(&s) {
+                    let text = e.to_string();
+                    assert!(!text.contains(value), "{option}: {text}");
+                }
+                let Err(e) = producer(&s) else { continue };
+                assert!(!e.to_string().contains(value), "{option}: {e}");
+            }
+        }
+        assert!(
+            echoed > 0,
+            "librdkafka no longer echoes values: this test checks nothing"
+        );
     }
 }

@@ -1,13 +1,16 @@
 //! tradebucket: trade events from Kafka into per-customer, count-capped
 //! MongoDB bucket documents, exactly once in effect.
 //!
-//! - [`config`]: layered settings and their validation.
+//! - [`config`]: layered, typed settings, their validation, and the secret
+//!   values that never print.
 //! - [`event`]: decoding one Kafka payload into a [`event::Trade`] (pure).
 //! - [`bucket`]: planning appends (pure), the MongoDB store, and the writer
 //!   that executes plans and resolves conflicts.
 //! - [`offsets`]: the contiguous committable prefix per partition (pure).
 //! - [`kafka`]: the group consumer and the dead-letter producer.
-//! - [`pipeline`]: the worker loop and its health state.
+//! - [`pipeline`]: the worker loop, and its seams to Kafka and MongoDB.
+//! - [`health`]: liveness and readiness, set by the loop, read by [`http`].
+//! - [`retry`]: the one backoff policy every retry loop waits through.
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`metrics`]: every metric, defined once.
 //! - [`throttle`]: rate limit for log lines on hot paths.
@@ -20,9 +23,11 @@ pub mod bucket;
 pub mod cli;
 pub mod config;
 pub mod event;
+pub mod health;
 pub mod http;
 pub mod kafka;
 pub mod metrics;
 pub mod offsets;
 pub mod pipeline;
+pub mod retry;
 pub mod throttle;

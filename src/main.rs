@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
 use tradebucket::cli::{self, ProduceOptions};
-use tradebucket::config::Settings;
+use tradebucket::config::{LogFormat, Settings};
 use tradebucket::event::CustomerId;
 use tradebucket::pipeline;
 
@@ -62,10 +62,10 @@ enum Command {
 fn init_logging(settings: &Settings) {
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(format!("{},rdkafka=warn", settings.log.level)));
-    let json = match settings.log.format.as_str() {
-        "json" => true,
-        "text" => false,
-        _ => !std::io::stderr().is_terminal(),
+    let json = match settings.log.format {
+        LogFormat::Json => true,
+        LogFormat::Text => false,
+        LogFormat::Auto => !std::io::stderr().is_terminal(),
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

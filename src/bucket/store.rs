@@ -9,7 +9,6 @@
 //! rare, and always safe, because re-planning is idempotent.
 
 use std::collections::{BTreeMap, HashSet};
-use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use mongodb::bson::{doc, rawdoc, Bson, Document, RawArrayBuf, RawBson, RawDocumentBuf};
@@ -20,7 +19,9 @@ use mongodb::options::{
 use mongodb::{Client, Collection, Database, IndexModel};
 
 use super::plan::{BucketHead, Fill, NewBucket};
-use crate::config::MongoSettings;
+use secrecy::ExposeSecret;
+
+use crate::config::{Settings, WriteAcknowledgment};
 use crate::event::{CustomerId, Trade};
 
 /// Duplicate key: another writer (or an earlier delivery) got there first.
@@ -97,41 +98,43 @@ impl BucketStore {
         Ok(())
     }
 
-    pub async fn connect(settings: &MongoSettings) -> Result<Self, StoreError> {
-        let mut options = ClientOptions::parse(&settings.uri).await?;
+    /// A client for `settings.mongodb`. Errors carry no secret of the URI
+    /// (the driver's parse errors may quote it).
+    pub async fn connect(settings: &Settings) -> Result<Self, StoreError> {
+        let scrubbed = |e: mongodb::error::Error| {
+            StoreError::Failed(settings.scrubber().scrub(&e.to_string()))
+        };
+        let m = &settings.mongodb;
+        let mut options = ClientOptions::parse(m.uri.expose_secret())
+            .await
+            .map_err(scrubbed)?;
         options
             .app_name
             .get_or_insert_with(|| "tradebucket".to_string());
         // Fail a request within seconds when the server is gone, so the
         // pipeline's backoff (not a driver-internal wait) paces the retries
-        // and readiness reflects the outage promptly.
+        // and readiness reflects the outage promptly. The URI's own
+        // serverSelectionTimeoutMS / connectTimeoutMS win.
+        let t = &settings.timeouts;
         options
             .server_selection_timeout
-            .get_or_insert(Duration::from_secs(5));
-        options
-            .connect_timeout
-            .get_or_insert(Duration::from_secs(5));
-        let client = Client::with_options(options)?;
-        let db = client.database(&settings.database);
-        let coll = db.collection::<Document>(&settings.collection);
-        let w = if settings.write_concern == "majority" {
-            Acknowledgment::Majority
-        } else {
-            Acknowledgment::Nodes(settings.write_concern.parse().map_err(|_| {
-                StoreError::Failed(format!("bad write concern {:?}", settings.write_concern))
-            })?)
+            .get_or_insert(t.mongodb_server_selection);
+        options.connect_timeout.get_or_insert(t.mongodb_connect);
+        let client = Client::with_options(options).map_err(scrubbed)?;
+        let db = client.database(&m.database);
+        let coll = db.collection::<Document>(&m.collection);
+        let w = match m.write_concern {
+            WriteAcknowledgment::Majority => Acknowledgment::Majority,
+            WriteAcknowledgment::Nodes(n) => Acknowledgment::Nodes(n),
         };
-        let write_concern = WriteConcern::builder()
-            .w(w)
-            .journal(settings.journal)
-            .build();
+        let write_concern = WriteConcern::builder().w(w).journal(m.journal).build();
         Ok(BucketStore {
             client,
             db,
             coll,
             write_concern_doc: write_concern_doc(&write_concern),
             write_concern,
-            load_concurrency: settings.load_concurrency,
+            load_concurrency: m.load_concurrency,
         })
     }
 
@@ -362,16 +365,20 @@ fn write_concern_doc(wc: &WriteConcern) -> RawDocumentBuf {
 /// error makes the whole outcome unknown: an error, so the batch is retried.
 fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), StoreError> {
     if let Ok(wce) = reply.get_document("writeConcernError") {
-        return Err(StoreError::Failed(format!("write concern error: {wce}")));
+        let code = wce.get_i32("code").unwrap_or(-1);
+        let message = wce.get_str("errmsg").unwrap_or_default();
+        return Err(StoreError::Failed(format!(
+            "write concern error {code}: {message}"
+        )));
     }
     let n = match reply.get("n") {
         Some(Bson::Int32(n)) => *n as u64,
         Some(Bson::Int64(n)) => *n as u64,
         Some(Bson::Double(n)) => *n as u64,
         _ => {
-            return Err(StoreError::Failed(format!(
-                "update reply without n: {reply}"
-            )))
+            return Err(StoreError::Failed(
+                "update reply without a numeric n".to_string(),
+            ))
         }
     };
     let mut errors = Vec::new();
@@ -381,9 +388,9 @@ fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), Sto
                 Some(Bson::Int32(i)) => *i as usize,
                 Some(Bson::Int64(i)) => *i as usize,
                 _ => {
-                    return Err(StoreError::Failed(format!(
-                        "write error without index: {e}"
-                    )))
+                    return Err(StoreError::Failed(
+                        "update reply with a write error without index".to_string(),
+                    ))
                 }
             };
             errors.push(StatementError {
@@ -419,7 +426,9 @@ fn chunk_by_size(statements: Vec<RawDocumentBuf>) -> Vec<Vec<RawDocumentBuf>> {
 pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
     let id = d
         .get_str("_id")
-        .map_err(|_| StoreError::Failed(format!("bucket with a non-string _id: {d}")))?
+        // Not the document: messages reach the logs on every retry, and a
+        // bucket is up to 16 MiB of trades.
+        .map_err(|_| StoreError::Failed("a bucket with a non-string _id".to_string()))?
         .to_string();
     let count = match d.get("count") {
         Some(Bson::Int32(n)) => *n as u32,

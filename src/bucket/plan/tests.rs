@@ -358,7 +358,13 @@ fn write_batch(
                     let mut left = *b;
                     if let Some(f) = &plan.fill {
                         if left > 0 {
-                            model.fill(f, &keys_of(&f.events));
+                            // As in the writer: a customer whose fill was
+                            // refused gets no new bucket in that round (a
+                            // successor of a bucket that is not full would
+                            // break the chain).
+                            if !model.fill(f, &keys_of(&f.events)) {
+                                return false;
+                            }
                             left -= 1;
                         }
                     }

@@ -8,10 +8,15 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Deserializer, Serialize};
+
+mod secret;
+
+pub use secret::{redact_uri, Scrubber, REDACTED};
 
 /// The defaults, exactly as documented for operators.
-pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+pub const DEFAULT_TOML: &str = include_str!("../../config/default.toml");
 
 /// BSON's document size limit is 16 MiB; a full bucket must stay below it
 /// with room for the bookkeeping fields.
@@ -35,58 +40,134 @@ fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
     }
 }
 
+/// Every setting. `Debug` and `Serialize` never show a secret: they are
+/// what `check-config` and the start-up log print.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
+    /// The source topics, the consumer group and the dead-letter topic.
     pub kafka: KafkaSettings,
+    /// Where the buckets are and how writes are acknowledged.
     pub mongodb: MongoSettings,
+    /// The page size and the cache of open buckets.
     pub buckets: BucketSettings,
+    /// When a batch of consumed events is written.
     pub batch: BatchSettings,
+    /// How transient failures are retried.
     pub retry: RetrySettings,
+    /// Time limits and check intervals of the network clients and probes.
+    pub timeouts: TimeoutSettings,
+    /// How long a stop may take.
     pub shutdown: ShutdownSettings,
+    /// The metrics and health endpoints.
     pub http: HttpSettings,
+    /// Log format and level.
     pub log: LogSettings,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSettings {
-    /// Bootstrap servers, comma-separated.
+    /// Bootstrap servers, comma-separated `host:port`.
     pub brokers: String,
-    /// Source topics.
+    /// Source topics (a list, or comma-separated text from the environment).
+    #[serde(deserialize_with = "list_or_comma_separated")]
     pub topics: Vec<String>,
     /// Consumer group shared by all instances of a deployment.
     pub group_id: String,
     /// Dead-letter topic; empty means `<source topic>.dlq`.
     pub dlq_topic: String,
-    /// Client id reported to the broker.
+    /// Client id reported to the broker (broker logs, quotas).
     pub client_id: String,
     /// Where a group without a committed offset starts.
-    pub auto_offset_reset: String,
-    /// librdkafka `session.timeout.ms`.
-    pub session_timeout_ms: u64,
-    /// librdkafka `max.poll.interval.ms`.
-    pub max_poll_interval_ms: u64,
+    pub auto_offset_reset: OffsetReset,
+    /// librdkafka `session.timeout.ms`: a member silent this long is removed.
+    #[serde(with = "humantime_serde")]
+    pub session_timeout: Duration,
+    /// librdkafka `max.poll.interval.ms`: the longest a batch may hold the
+    /// poll loop before the member is considered stuck.
+    #[serde(with = "humantime_serde")]
+    pub max_poll_interval: Duration,
     /// Largest accepted payload; larger events are dead-lettered.
     pub max_message_bytes: usize,
-    /// librdkafka properties passed through (security, tuning).
-    #[serde(default)]
-    pub options: BTreeMap<String, String>,
+    /// librdkafka properties passed through (security, tuning). Values are
+    /// secrets unless the property is known to be public
+    /// (see `secret::PUBLIC_KAFKA_OPTIONS`).
+    #[serde(default, serialize_with = "secret::serialize_kafka_options")]
+    pub options: BTreeMap<String, SecretString>,
+}
+
+/// librdkafka's `auto.offset.reset` choices that make sense here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OffsetReset {
+    Earliest,
+    Latest,
+}
+
+impl OffsetReset {
+    /// The librdkafka value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OffsetReset::Earliest => "earliest",
+            OffsetReset::Latest => "latest",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MongoSettings {
-    /// Connection string (may hold credentials: redacted when printed).
-    pub uri: String,
+    /// Connection string. Its password and secret query options never
+    /// print (see [`redact_uri`]).
+    #[serde(serialize_with = "secret::serialize_uri")]
+    pub uri: SecretString,
+    /// Database holding the bucket collection.
     pub database: String,
+    /// The bucket collection.
     pub collection: String,
-    /// "majority" or a node count.
-    pub write_concern: String,
+    /// Acknowledgement every bucket write waits for.
+    pub write_concern: WriteAcknowledgment,
     /// Wait for the journal before acknowledging.
     pub journal: bool,
     /// Parallel newest-bucket loads for first-seen customers.
     pub load_concurrency: usize,
+}
+
+/// The `w` of the write concern: "majority" or a number of nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteAcknowledgment {
+    Majority,
+    Nodes(u32),
+}
+
+impl Serialize for WriteAcknowledgment {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            WriteAcknowledgment::Majority => s.serialize_str("majority"),
+            WriteAcknowledgment::Nodes(n) => s.serialize_str(&n.to_string()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for WriteAcknowledgment {
+    /// "majority", or a node count written as a number or as text (the
+    /// environment only has text).
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u32),
+            Text(String),
+        }
+        let bad =
+            || serde::de::Error::custom("write_concern must be \"majority\" or a number of nodes");
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => Ok(WriteAcknowledgment::Nodes(n)),
+            Raw::Text(t) if t == "majority" => Ok(WriteAcknowledgment::Majority),
+            Raw::Text(t) => t.parse().map(WriteAcknowledgment::Nodes).map_err(|_| bad()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -101,38 +182,102 @@ pub struct BucketSettings {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BatchSettings {
+    /// A batch is written once it holds this many events...
     pub max_events: usize,
+    /// ...or this many payload bytes...
     pub max_bytes: usize,
-    pub linger_ms: u64,
+    /// ...or when this long has passed since its first event.
+    #[serde(with = "humantime_serde")]
+    pub linger: Duration,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetrySettings {
-    pub initial_interval_ms: u64,
-    pub max_interval_ms: u64,
+    /// First wait after a transient failure.
+    #[serde(with = "humantime_serde")]
+    pub initial_interval: Duration,
+    /// Longest wait between two attempts.
+    #[serde(with = "humantime_serde")]
+    pub max_interval: Duration,
+    /// Growth of the wait per failed attempt.
     pub multiplier: f64,
+    /// Each wait is randomised by +/- this fraction.
     pub randomization_factor: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub struct TimeoutSettings {
+    /// How long a MongoDB request waits for a suitable server before it
+    /// fails (and is retried with backoff).
+    #[serde(with = "humantime_serde")]
+    pub mongodb_server_selection: Duration,
+    /// Time limit of opening one connection to MongoDB.
+    #[serde(with = "humantime_serde")]
+    pub mongodb_connect: Duration,
+    /// How often readiness pings MongoDB while the worker is idle.
+    #[serde(with = "humantime_serde")]
+    pub mongodb_ping_interval: Duration,
+    /// Time limit of one of those pings.
+    #[serde(with = "humantime_serde")]
+    pub mongodb_ping: Duration,
+    /// librdkafka `message.timeout.ms` of the dead-letter producer: a dead
+    /// letter not acknowledged within it fails, and is sent again.
+    #[serde(with = "humantime_serde")]
+    pub dead_letter_delivery: Duration,
+    /// `/healthz` answers 503 once the worker loop has not turned for this
+    /// long.
+    #[serde(with = "humantime_serde")]
+    pub liveness_stall: Duration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ShutdownSettings {
-    pub drain_timeout_ms: u64,
+    /// After SIGTERM, how long an in-flight batch may take before it is
+    /// abandoned (its offsets stay uncommitted).
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HttpSettings {
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
     pub listen: SocketAddr,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LogSettings {
-    /// "auto", "text" or "json".
-    pub format: String,
+    /// Human-readable or JSON lines.
+    pub format: LogFormat,
+    /// Default level filter; `RUST_LOG` overrides it.
     pub level: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Text on a terminal, JSON otherwise.
+    Auto,
+    Text,
+    Json,
+}
+
+/// A list from a file, or comma-separated text from the environment.
+fn list_or_comma_separated<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        List(Vec<String>),
+        Text(String),
+    }
+    Ok(match Raw::deserialize(d)? {
+        Raw::List(l) => l,
+        Raw::Text(t) => t.split(',').map(|s| s.trim().to_string()).collect(),
+    })
 }
 
 impl Settings {
@@ -157,9 +302,11 @@ impl Settings {
         let environment = config::Environment::with_prefix("TRADEBUCKET")
             .prefix_separator("__")
             .separator("__")
-            .list_separator(",")
-            .with_list_parse_key("kafka.topics")
-            .try_parsing(true)
+            // Values stay the text they are: `GROUP_ID=0042` is the group
+            // "0042" and a password "007" stays "007". Numbers and flags
+            // are parsed by their fields' types; lists by
+            // `list_or_comma_separated`.
+            .try_parsing(false)
             .source(env.map(|m| m.into_iter().collect()));
         let mut settings: Settings = builder.add_source(environment).build()?.try_deserialize()?;
         settings.kafka.options =
@@ -195,23 +342,17 @@ impl Settings {
         if k.group_id.is_empty() {
             return Err(invalid("kafka.group_id", "must not be empty"));
         }
-        if !matches!(k.auto_offset_reset.as_str(), "earliest" | "latest") {
-            return Err(invalid(
-                "kafka.auto_offset_reset",
-                "must be \"earliest\" or \"latest\"",
-            ));
-        }
         if k.max_message_bytes == 0 {
             return Err(invalid("kafka.max_message_bytes", "must be positive"));
         }
         // The drain must end before the broker gives our partitions away,
         // or a "graceful" stop would still overlap with the next owner.
-        if self.shutdown.drain_timeout_ms >= k.session_timeout_ms {
+        if self.shutdown.drain_timeout >= k.session_timeout {
             return Err(invalid(
-                "shutdown.drain_timeout_ms",
+                "shutdown.drain_timeout",
                 format!(
-                    "must be below kafka.session_timeout_ms ({})",
-                    k.session_timeout_ms
+                    "must be below kafka.session_timeout ({:?})",
+                    k.session_timeout
                 ),
             ));
         }
@@ -222,18 +363,16 @@ impl Settings {
                 "database and collection must not be empty",
             ));
         }
-        if m.write_concern != "majority" && m.write_concern.parse::<u32>().is_err() {
-            return Err(invalid(
-                "mongodb.write_concern",
-                "must be \"majority\" or a number of nodes",
-            ));
-        }
         if m.load_concurrency == 0 {
             return Err(invalid("mongodb.load_concurrency", "must be positive"));
         }
         // Syntax and option values only: no DNS (SRV) lookup, no connection.
-        if let Err(e) = mongodb::options::ConnectionString::parse(&m.uri) {
-            return Err(invalid("mongodb.uri", e.to_string()));
+        // The driver's message may quote the URI: scrubbed.
+        if let Err(e) = mongodb::options::ConnectionString::parse(m.uri.expose_secret()) {
+            return Err(invalid(
+                "mongodb.uri",
+                self.scrubber().scrub(&e.to_string()),
+            ));
         }
         let b = &self.buckets;
         if !(1..=1000).contains(&b.capacity) {
@@ -256,9 +395,9 @@ impl Settings {
             ));
         }
         let r = &self.retry;
-        if r.initial_interval_ms == 0 || r.max_interval_ms < r.initial_interval_ms {
+        if r.initial_interval.is_zero() || r.max_interval < r.initial_interval {
             return Err(invalid(
-                "retry.max_interval_ms",
+                "retry.max_interval",
                 "intervals must be positive with max >= initial",
             ));
         }
@@ -270,9 +409,6 @@ impl Settings {
                 "retry.randomization_factor",
                 "must be between 0 and 1",
             ));
-        }
-        if !matches!(self.log.format.as_str(), "auto" | "text" | "json") {
-            return Err(invalid("log.format", "must be auto, text or json"));
         }
         Ok(())
     }
@@ -286,30 +422,17 @@ impl Settings {
         }
     }
 
-    pub fn linger(&self) -> Duration {
-        Duration::from_millis(self.batch.linger_ms)
-    }
-
-    pub fn drain_timeout(&self) -> Duration {
-        Duration::from_millis(self.shutdown.drain_timeout_ms)
-    }
-
     /// The effective settings as TOML with secrets replaced, for
-    /// `check-config` and the start-up log.
+    /// `check-config` and the start-up log. (`Serialize` itself redacts.)
     pub fn redacted_toml(&self) -> String {
-        let mut copy = self.clone();
-        copy.mongodb.uri = redact_uri(&copy.mongodb.uri);
-        for (key, value) in copy.kafka.options.iter_mut() {
-            let key = key.to_ascii_lowercase();
-            if key.contains("password")
-                || key.contains("secret")
-                || key.ends_with(".key.pem")
-                || key == "sasl.oauthbearer.config"
-            {
-                *value = "<redacted>".to_string();
-            }
-        }
-        toml_string(&copy)
+        // Our own plain structs always serialise; Debug (which redacts
+        // too) is a fallback, not a panic.
+        toml::to_string_pretty(self).unwrap_or_else(|_| format!("{self:#?}"))
+    }
+
+    /// Removes this configuration's secrets from a client library's text.
+    pub fn scrubber(&self) -> Scrubber {
+        Scrubber::new(&self.mongodb.uri, &self.kafka.options)
     }
 }
 
@@ -320,19 +443,16 @@ impl Settings {
 /// those cannot be set from text). When both spellings of one property are
 /// present, the underscore one wins, because it can only have come from the
 /// environment, the later layer (or from a file that chose that spelling).
-fn normalize_kafka_options(options: BTreeMap<String, String>) -> BTreeMap<String, String> {
+fn normalize_kafka_options(
+    options: BTreeMap<String, SecretString>,
+) -> BTreeMap<String, SecretString> {
     let (underscored, dotted): (Vec<_>, Vec<_>) =
         options.into_iter().partition(|(k, _)| k.contains('_'));
-    let mut out: BTreeMap<String, String> = dotted.into_iter().collect();
+    let mut out: BTreeMap<String, SecretString> = dotted.into_iter().collect();
     for (key, value) in underscored {
         out.insert(key.to_ascii_lowercase().replace('_', "."), value);
     }
     out
-}
-
-fn toml_string(settings: &Settings) -> String {
-    // Our own plain structs always serialise; Debug is a fallback, not a panic.
-    toml::to_string_pretty(settings).unwrap_or_else(|_| format!("{settings:#?}"))
 }
 
 /// Kafka's legal topic names.
@@ -344,25 +464,6 @@ fn valid_topic(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
-
-/// Replaces the password in `scheme://user:password@host/...`.
-pub fn redact_uri(uri: &str) -> String {
-    let Some(scheme_end) = uri.find("://") else {
-        return uri.to_string();
-    };
-    let rest = &uri[scheme_end + 3..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    match (authority.rfind('@'), authority.find(':')) {
-        (Some(at), Some(colon)) if colon < at => format!(
-            "{}{}:<redacted>{}",
-            &uri[..scheme_end + 3],
-            &authority[..colon],
-            &rest[at..]
-        ),
-        _ => uri.to_string(),
-    }
 }
 
 #[cfg(test)]
@@ -383,7 +484,9 @@ mod tests {
         let s = Settings::load_from(None, env(&[])).unwrap();
         assert_eq!(s.buckets.capacity, 10);
         assert_eq!(s.kafka.topics, vec!["trades".to_string()]);
-        assert_eq!(s.mongodb.write_concern, "majority");
+        assert_eq!(s.mongodb.write_concern, WriteAcknowledgment::Majority);
+        assert_eq!(s.batch.linger, Duration::from_millis(50));
+        assert_eq!(s.log.format, LogFormat::Auto);
         assert_eq!(s.dlq_topic_for("trades"), "trades.dlq");
     }
 
@@ -426,9 +529,9 @@ mod tests {
                 "mongodb.write_concern",
             ),
             (
-                "TRADEBUCKET__SHUTDOWN__DRAIN_TIMEOUT_MS",
-                "60000",
-                "shutdown.drain_timeout_ms",
+                "TRADEBUCKET__SHUTDOWN__DRAIN_TIMEOUT",
+                "60s",
+                "shutdown.drain_timeout",
             ),
             ("TRADEBUCKET__LOG__FORMAT", "xml", "log.format"),
             (
@@ -462,14 +565,17 @@ mod tests {
         let path = dir.join("local.toml");
         std::fs::write(
             &path,
-            "[buckets]\ncapacity = 50\n[batch]\nlinger_ms = 7\n[kafka.options]\n\"security.protocol\" = \"SASL_SSL\"\n\"sasl.password\" = \"hunter2\"\n",
+            "[buckets]\ncapacity = 50\n[batch]\nlinger = \"7ms\"\n[kafka.options]\n\"security.protocol\" = \"SASL_SSL\"\n\"sasl.password\" = \"hunter2\"\n",
         )
         .unwrap();
-        let s = Settings::load_from(Some(&path), env(&[("TRADEBUCKET__BATCH__LINGER_MS", "9")]))
+        let s = Settings::load_from(Some(&path), env(&[("TRADEBUCKET__BATCH__LINGER", "9ms")]))
             .unwrap();
         assert_eq!(s.buckets.capacity, 50);
-        assert_eq!(s.batch.linger_ms, 9);
-        assert_eq!(s.kafka.options["security.protocol"], "SASL_SSL");
+        assert_eq!(s.batch.linger, Duration::from_millis(9));
+        assert_eq!(
+            s.kafka.options["security.protocol"].expose_secret(),
+            "SASL_SSL"
+        );
         let printed = s.redacted_toml();
         assert!(!printed.contains("hunter2"), "{printed}");
         assert!(printed.contains("SASL_SSL"), "{printed}");
@@ -500,7 +606,7 @@ mod tests {
             .kafka
             .options
             .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .map(|(k, v)| (k.as_str(), v.expose_secret()))
             .collect();
         assert_eq!(
             options,
@@ -516,15 +622,105 @@ mod tests {
     }
 
     #[test]
-    fn uri_passwords_are_redacted() {
-        assert_eq!(
-            redact_uri("mongodb://app:s3cret@db1:27017,db2/?replicaSet=rs0"),
-            "mongodb://app:<redacted>@db1:27017,db2/?replicaSet=rs0"
+    fn environment_values_stay_the_text_they_are() {
+        let s = Settings::load_from(
+            None,
+            env(&[
+                ("TRADEBUCKET__KAFKA__GROUP_ID", "0042"),
+                ("TRADEBUCKET__KAFKA__CLIENT_ID", "true"),
+                ("TRADEBUCKET__KAFKA__OPTIONS__SASL_PASSWORD", "007"),
+                ("TRADEBUCKET__MONGODB__WRITE_CONCERN", "2"),
+                ("TRADEBUCKET__MONGODB__JOURNAL", "false"),
+                ("TRADEBUCKET__KAFKA__AUTO_OFFSET_RESET", "latest"),
+                ("TRADEBUCKET__LOG__FORMAT", "json"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.kafka.group_id, "0042");
+        assert_eq!(s.kafka.client_id, "true");
+        assert_eq!(s.kafka.options["sasl.password"].expose_secret(), "007");
+        assert_eq!(s.mongodb.write_concern, WriteAcknowledgment::Nodes(2));
+        assert!(!s.mongodb.journal);
+        assert_eq!(s.kafka.auto_offset_reset, OffsetReset::Latest);
+        assert_eq!(s.log.format, LogFormat::Json);
+    }
+
+    #[test]
+    fn durations_read_as_human_text() {
+        let s = Settings::load_from(
+            None,
+            env(&[
+                ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT", "1m 30s"),
+                ("TRADEBUCKET__RETRY__MAX_INTERVAL", "2s"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.kafka.session_timeout, Duration::from_secs(90));
+        assert_eq!(s.retry.max_interval, Duration::from_secs(2));
+        let printed = s.redacted_toml();
+        assert!(
+            printed.contains("session_timeout = \"1m 30s\""),
+            "{printed}"
         );
-        assert_eq!(
-            redact_uri("mongodb://127.0.0.1:27017/"),
-            "mongodb://127.0.0.1:27017/"
-        );
-        assert_eq!(redact_uri("mongodb+srv://user@h/"), "mongodb+srv://user@h/");
+        let err =
+            Settings::load_from(None, env(&[("TRADEBUCKET__BATCH__LINGER", "50")])).unwrap_err();
+        assert!(err.to_string().contains("linger"), "{err}");
+    }
+
+    #[test]
+    fn no_secret_is_printed_or_debug_formatted() {
+        let secret_options = [
+            "sasl.password",
+            "sasl.oauthbearer.client.secret",
+            "sasl.oauthbearer.client.credentials.client.secret",
+            "sasl.oauthbearer.config",
+            "sasl.oauthbearer.extensions",
+            "sasl.oauthbearer.assertion.private.key.passphrase",
+            "sasl.oauthbearer.assertion.private.key.pem",
+            "ssl.key.password",
+            "ssl.key.pem",
+            "ssl.keystore.password",
+        ];
+        let mut vars: Vec<(String, String)> = secret_options
+            .iter()
+            .enumerate()
+            .map(|(i, o)| {
+                let key = format!("TRADEBUCKET__KAFKA__OPTIONS__{}", o.replace('.', "_"));
+                (key, format!("kafkasecret{i}x"))
+            })
+            .collect();
+        vars.push((
+            "TRADEBUCKET__MONGODB__URI".into(),
+            "mongodb://app:uripass1@h/?authMechanismProperties=AWS_SESSION_TOKEN:uripass3\
+             &replicaSet=rs0"
+                .into(),
+        ));
+        let s = Settings::load_from(None, Some(vars.into_iter().collect())).unwrap();
+        let printed = format!("{}\n{:?}", s.redacted_toml(), s);
+        for i in 0..secret_options.len() {
+            assert!(!printed.contains(&format!("kafkasecret{i}x")), "{printed}");
+        }
+        for p in ["uripass1", "uripass3"] {
+            assert!(!printed.contains(p), "{p}: {printed}");
+        }
+        assert!(printed.contains("replicaSet=rs0"), "{printed}");
+    }
+
+    #[test]
+    fn a_refused_uri_is_reported_without_its_secrets() {
+        // The driver quotes a malformed authMechanismProperties entry, and
+        // refuses tlsCertificateKeyFilePassword (a feature not built in).
+        for uri in [
+            "mongodb://app:uripass1@h/?authMechanismProperties=AWS_SESSION_TOKENuripass2",
+            "mongodb://app:uripass1@h/?tlsCertificateKeyFilePassword=uripass2",
+        ] {
+            let err = Settings::load_from(None, env(&[("TRADEBUCKET__MONGODB__URI", uri)]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("mongodb.uri"), "{err}");
+            for p in ["uripass1", "uripass2"] {
+                assert!(!err.contains(p), "{p}: {err}");
+            }
+        }
     }
 }

@@ -1,0 +1,95 @@
+//! Liveness and readiness: state the worker loop and its MongoDB watcher
+//! update, and the HTTP endpoints read. Its own module so that neither side
+//! depends on the other.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// What `/healthz` and `/readyz` report.
+#[derive(Debug, Default)]
+pub struct Health {
+    /// Subscribed to the group (assigned partitions or waiting for them).
+    pub subscribed: AtomicBool,
+    /// The last MongoDB write succeeded.
+    pub mongodb_ok: AtomicBool,
+    /// The last periodic ping succeeded (a worker with nothing to write
+    /// would otherwise stay ready through a whole outage).
+    pub mongodb_reachable: AtomicBool,
+    /// Shutting down: no new batches.
+    pub draining: AtomicBool,
+    /// Unix millis of the loop's last turn; a stale value means wedged.
+    pub last_tick_ms: AtomicU64,
+}
+
+impl Health {
+    pub fn tick(&self) {
+        self.last_tick_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// `Err(reason)` when the worker should not receive traffic.
+    pub fn readiness(&self) -> Result<(), &'static str> {
+        if self.draining.load(Ordering::Relaxed) {
+            Err("draining: shutting down")
+        } else if !self.subscribed.load(Ordering::Relaxed) {
+            Err("starting: not yet subscribed to the consumer group")
+        } else if !self.mongodb_ok.load(Ordering::Relaxed) {
+            Err("MongoDB writes failing: being retried")
+        } else if !self.mongodb_reachable.load(Ordering::Relaxed) {
+            Err("MongoDB unreachable")
+        } else {
+            Ok(())
+        }
+    }
+
+    /// `Err(reason)` when the loop has not turned for `stall`.
+    pub fn liveness(&self, stall: Duration) -> Result<(), String> {
+        let last = self.last_tick_ms.load(Ordering::Relaxed);
+        let age = now_ms().saturating_sub(last);
+        if last != 0 && age > stall.as_millis() as u64 {
+            Err(format!("the worker loop has not turned for {age} ms"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Wall-clock Unix millis (Kafka timestamps are wall-clock too).
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_names_the_first_reason() {
+        let h = Health::default();
+        assert_eq!(
+            h.readiness(),
+            Err("starting: not yet subscribed to the consumer group")
+        );
+        h.subscribed.store(true, Ordering::Relaxed);
+        h.mongodb_reachable.store(true, Ordering::Relaxed);
+        assert_eq!(h.readiness(), Err("MongoDB writes failing: being retried"));
+        h.mongodb_ok.store(true, Ordering::Relaxed);
+        assert_eq!(h.readiness(), Ok(()));
+        h.draining.store(true, Ordering::Relaxed);
+        assert_eq!(h.readiness(), Err("draining: shutting down"));
+    }
+
+    #[test]
+    fn liveness_fails_only_after_the_stall() {
+        let h = Health::default();
+        assert!(
+            h.liveness(Duration::from_secs(1)).is_ok(),
+            "never ticked yet"
+        );
+        h.last_tick_ms.store(now_ms() - 5_000, Ordering::Relaxed);
+        assert!(h.liveness(Duration::from_secs(60)).is_ok());
+        assert!(h.liveness(Duration::from_secs(1)).is_err());
+    }
+}

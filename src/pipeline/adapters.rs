@@ -1,0 +1,164 @@
+//! The production side of the loop's seams: the Kafka consumer as its
+//! [`Intake`], the dead-letter producer as its [`DeadLetterSink`], the
+//! bucket writer as its [`BucketSink`], and the MongoDB watcher that keeps
+//! readiness current while the loop has nothing to write.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::Message;
+use rdkafka::producer::FutureProducer;
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Offset, TopicPartitionList};
+use tokio_util::sync::CancellationToken;
+
+use super::seams::{BucketSink, DeadLetterSink, Intake, Record};
+use crate::bucket::store::{BucketStore, StoreError};
+use crate::bucket::writer::{BucketWriter, Outcome, WriteStats};
+use crate::config::{Settings, TimeoutSettings};
+use crate::event::{Source, Trade};
+use crate::health::Health;
+use crate::kafka::{self, ConsumerCtx, DeadLetter, GroupEvent};
+use crate::metrics::Metrics;
+use crate::offsets::TopicPartition;
+
+pub(crate) struct KafkaIntake {
+    consumer: StreamConsumer<ConsumerCtx>,
+    events: Receiver<GroupEvent>,
+    metrics: Metrics,
+}
+
+impl KafkaIntake {
+    pub fn new(
+        consumer: StreamConsumer<ConsumerCtx>,
+        events: Receiver<GroupEvent>,
+        metrics: Metrics,
+    ) -> Self {
+        KafkaIntake {
+            consumer,
+            events,
+            metrics,
+        }
+    }
+
+    fn commit_failed(&self, e: &KafkaError) {
+        let m = &self.metrics;
+        m.offset_commits.with_label_values(&["error"]).inc();
+        m.retries.with_label_values(&["commit"]).inc();
+        tracing::warn!(error = %e, "offset commit failed; the next one supersedes it");
+    }
+}
+
+impl Intake for KafkaIntake {
+    async fn recv(&mut self) -> Result<Record, KafkaError> {
+        let m = self.consumer.recv().await?;
+        Ok(Record {
+            tp: (m.topic().to_string(), m.partition()),
+            offset: m.offset(),
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().map(<[u8]>::to_vec),
+            headers: kafka::copy_headers(m.headers()),
+            timestamp_ms: m.timestamp().to_millis(),
+        })
+    }
+
+    fn group_events(&mut self) -> Vec<GroupEvent> {
+        self.events.try_iter().collect()
+    }
+
+    fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: CommitMode) {
+        if !offsets.is_empty() {
+            let mut tpl = TopicPartitionList::new();
+            for ((topic, partition), next) in offsets {
+                if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*next)) {
+                    tracing::warn!(error = %e, "bad offset");
+                }
+            }
+            if let Err(e) = self.consumer.store_offsets(&tpl) {
+                // The partition was taken from us meanwhile; the new owner
+                // re-reads from the last commit, and replays are harmless.
+                tracing::warn!(error = %e, "cannot store offsets");
+                return;
+            }
+        } else if matches!(mode, CommitMode::Async) {
+            return;
+        }
+        match self.consumer.commit_consumer_state(mode) {
+            // Async commits are counted by the commit callback.
+            Ok(()) if matches!(mode, CommitMode::Sync) => {
+                self.metrics.offset_commits.with_label_values(&["ok"]).inc();
+            }
+            Ok(()) => {}
+            Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+            Err(e) => self.commit_failed(&e),
+        }
+    }
+
+    fn leave(&mut self) {
+        // Closing the consumer (on drop) then leaves the group.
+        self.consumer.unsubscribe();
+    }
+}
+
+/// The dead-letter producer and where each source topic's dead letters go.
+pub(crate) struct KafkaDeadLetters {
+    producer: FutureProducer,
+    settings: Settings,
+}
+
+impl KafkaDeadLetters {
+    pub fn new(producer: FutureProducer, settings: Settings) -> Self {
+        KafkaDeadLetters { producer, settings }
+    }
+}
+
+impl DeadLetterSink for KafkaDeadLetters {
+    async fn send(&self, dead: &DeadLetter) -> Result<(), KafkaError> {
+        let topic = self.settings.dlq_topic_for(&dead.topic);
+        kafka::send_dead_letter(&self.producer, &topic, dead).await
+    }
+}
+
+impl BucketSink for BucketWriter {
+    async fn write(
+        &mut self,
+        events: &[(Trade, Source)],
+        outcomes: &mut [Outcome],
+    ) -> Result<WriteStats, StoreError> {
+        BucketWriter::write(self, events, outcomes).await
+    }
+
+    fn forget_all(&mut self) {
+        BucketWriter::forget_all(self);
+    }
+}
+
+/// Keeps `Health::mongodb_reachable` current. Writes alone would not: a
+/// worker with nothing to write would stay ready through a whole outage.
+pub(crate) async fn watch_mongodb(
+    store: BucketStore,
+    health: Arc<Health>,
+    timeouts: TimeoutSettings,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(timeouts.mongodb_ping_interval) => {}
+        }
+        let ok = matches!(
+            tokio::time::timeout(timeouts.mongodb_ping, store.ping()).await,
+            Ok(Ok(()))
+        );
+        if health.mongodb_reachable.swap(ok, Ordering::Relaxed) != ok {
+            if ok {
+                tracing::info!("MongoDB reachable again");
+            } else {
+                tracing::warn!("MongoDB ping failed: not ready");
+            }
+        }
+    }
+}

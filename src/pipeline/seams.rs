@@ -1,0 +1,70 @@
+//! The loop's three collaborators, each behind a small trait: where records
+//! come from (and offsets go), where trades are written, and where bad
+//! events go. Production uses Kafka and MongoDB (see `adapters`); the loop's
+//! own unit tests use in-memory stand-ins on a paused clock, so batching,
+//! linger, drain, retry and commit order are tested without servers. The
+//! real-server suites test the adapters and the whole.
+//!
+//! The traits are crate-private and used with concrete types only, so their
+//! `async fn`s need no `Send` bound of their own.
+
+use rdkafka::consumer::CommitMode;
+use rdkafka::error::KafkaError;
+
+use crate::bucket::store::StoreError;
+use crate::bucket::writer::{Outcome, WriteStats};
+use crate::event::{Source, Trade};
+use crate::kafka::{DeadLetter, GroupEvent};
+use crate::offsets::TopicPartition;
+
+/// A consumed record, detached from the consumer's buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub tp: TopicPartition,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Option<Vec<u8>>,
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// Kafka's timestamp (producer or broker time), for the delay metric.
+    pub timestamp_ms: Option<i64>,
+}
+
+/// The consumer side: records in, offsets out.
+pub(crate) trait Intake {
+    /// The next record, or a consumer error to report. Must be cancel-safe:
+    /// the loop races it against its linger, idle and shutdown timers.
+    async fn recv(&mut self) -> Result<Record, KafkaError>;
+
+    /// Assignment changes since the last call, in order.
+    fn group_events(&mut self) -> Vec<GroupEvent>;
+
+    /// Stores `offsets` (per partition, the next offset to read) and
+    /// commits. With nothing to store, a `Sync` commit still commits what
+    /// was stored before (the last one, at shutdown); an `Async` one does
+    /// nothing.
+    fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: CommitMode);
+
+    /// Leaves the consumer group, so the partitions move on at once.
+    fn leave(&mut self);
+}
+
+/// Where trades go: the bucket writer.
+pub(crate) trait BucketSink {
+    /// Writes `events` (in stream order). `outcomes` has one slot per event
+    /// and survives a failed call: a retry keeps what is already known.
+    async fn write(
+        &mut self,
+        events: &[(Trade, Source)],
+        outcomes: &mut [Outcome],
+    ) -> Result<WriteStats, StoreError>;
+
+    /// Forgets cached buckets: after a rebalance another instance may have
+    /// written our former customers.
+    fn forget_all(&mut self);
+}
+
+/// Where bad events go: the dead-letter topic.
+pub(crate) trait DeadLetterSink {
+    /// Sends one dead letter and waits for its acknowledgement.
+    async fn send(&self, dead: &DeadLetter) -> Result<(), KafkaError>;
+}

@@ -1,0 +1,428 @@
+//! The loop's timing and ordering rules on a paused clock, with in-memory
+//! stand-ins for the consumer, the bucket writer and the dead-letter
+//! producer (see `seams`). Time only moves when every task waits, and then
+//! straight to the next timer, so the times asserted here are exact.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::consumer::CommitMode;
+use rdkafka::error::KafkaError;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::seams::{BucketSink, DeadLetterSink, Intake, Record};
+use super::Worker;
+use crate::bucket::store::StoreError;
+use crate::bucket::writer::{Outcome, WriteStats};
+use crate::config::Settings;
+use crate::event::{Source, Trade};
+use crate::health::Health;
+use crate::kafka::{DeadLetter, GroupEvent};
+use crate::metrics::Metrics;
+use crate::offsets::TopicPartition;
+
+const LINGER: Duration = Duration::from_millis(50);
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// What the stand-ins saw, with the paused clock's time of each call.
+#[derive(Default)]
+struct Seen {
+    /// Each write attempt: when, and the offsets of its events.
+    writes: Vec<(Duration, Vec<i64>)>,
+    /// Each commit that named offsets (or was `Sync`): when, what, how.
+    commits: Vec<(Duration, Vec<(TopicPartition, i64)>, Mode)>,
+    /// Each dead-letter send attempt: when, and the source offset.
+    dead_letters: Vec<(Duration, i64)>,
+    left: bool,
+}
+
+type Shared = Arc<Mutex<Seen>>;
+
+/// `CommitMode`, comparable.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    Async,
+    Sync,
+}
+
+struct FakeIntake {
+    records: UnboundedReceiver<Record>,
+    events: Arc<Mutex<Vec<GroupEvent>>>,
+    seen: Shared,
+    start: Instant,
+}
+
+impl Intake for FakeIntake {
+    async fn recv(&mut self) -> Result<Record, KafkaError> {
+        match self.records.recv().await {
+            Some(r) => Ok(r),
+            None => std::future::pending().await,
+        }
+    }
+
+    fn group_events(&mut self) -> Vec<GroupEvent> {
+        std::mem::take(&mut *self.events.lock().unwrap())
+    }
+
+    fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: CommitMode) {
+        if !offsets.is_empty() || matches!(mode, CommitMode::Sync) {
+            let at = self.start.elapsed();
+            let mut seen = self.seen.lock().unwrap();
+            let mode = match mode {
+                CommitMode::Sync => Mode::Sync,
+                CommitMode::Async => Mode::Async,
+            };
+            seen.commits.push((at, offsets.to_vec(), mode));
+        }
+    }
+
+    fn leave(&mut self) {
+        self.seen.lock().unwrap().left = true;
+    }
+}
+
+/// Fails its first `failures` writes, and takes `delay` for each.
+struct FakeBuckets {
+    failures: usize,
+    delay: Duration,
+    seen: Shared,
+    start: Instant,
+}
+
+impl BucketSink for FakeBuckets {
+    async fn write(
+        &mut self,
+        events: &[(Trade, Source)],
+        outcomes: &mut [Outcome],
+    ) -> Result<WriteStats, StoreError> {
+        let offsets = events.iter().map(|(_, s)| s.offset).collect();
+        let at = self.start.elapsed();
+        self.seen.lock().unwrap().writes.push((at, offsets));
+        tokio::time::sleep(self.delay).await;
+        if self.failures > 0 {
+            self.failures -= 1;
+            return Err(StoreError::Failed("down".into()));
+        }
+        outcomes.fill(Outcome::Written);
+        Ok(WriteStats::default())
+    }
+
+    fn forget_all(&mut self) {}
+}
+
+/// Fails the first `failures` sends.
+struct FakeDeadLetters {
+    failures: Mutex<usize>,
+    seen: Shared,
+    start: Instant,
+}
+
+impl DeadLetterSink for FakeDeadLetters {
+    async fn send(&self, dead: &DeadLetter) -> Result<(), KafkaError> {
+        let at = self.start.elapsed();
+        self.seen
+            .lock()
+            .unwrap()
+            .dead_letters
+            .push((at, dead.offset));
+        let mut failures = self.failures.lock().unwrap();
+        if *failures > 0 {
+            *failures -= 1;
+            return Err(KafkaError::Canceled);
+        }
+        Ok(())
+    }
+}
+
+/// A worker over the stand-ins, running on its own task.
+struct Harness {
+    records: UnboundedSender<Record>,
+    events: Arc<Mutex<Vec<GroupEvent>>>,
+    seen: Shared,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+    start: Instant,
+}
+
+#[derive(Default)]
+struct Options {
+    write_failures: usize,
+    write_delay: Duration,
+    dead_letter_failures: usize,
+    max_events: Option<usize>,
+}
+
+fn settings(max_events: Option<usize>) -> Settings {
+    let mut s = Settings::load_from(None, Some(BTreeMap::new())).unwrap();
+    s.batch.linger = LINGER;
+    s.shutdown.drain_timeout = DRAIN;
+    s.retry.initial_interval = Duration::from_millis(100);
+    s.retry.max_interval = Duration::from_secs(1);
+    s.retry.multiplier = 2.0;
+    s.retry.randomization_factor = 0.0;
+    if let Some(n) = max_events {
+        s.batch.max_events = n;
+    }
+    s
+}
+
+impl Harness {
+    fn start(o: Options, assigned: &[i32]) -> Harness {
+        let start = Instant::now();
+        let seen = Shared::default();
+        let (records, rx) = unbounded_channel();
+        let tps = assigned.iter().map(|&p| tp(p)).collect();
+        let events = Arc::new(Mutex::new(vec![GroupEvent::Assigned(tps)]));
+        let intake = FakeIntake {
+            records: rx,
+            events: events.clone(),
+            seen: seen.clone(),
+            start,
+        };
+        let buckets = FakeBuckets {
+            failures: o.write_failures,
+            delay: o.write_delay,
+            seen: seen.clone(),
+            start,
+        };
+        let dead_letters = FakeDeadLetters {
+            failures: Mutex::new(o.dead_letter_failures),
+            seen: seen.clone(),
+            start,
+        };
+        let health = Arc::new(Health::default());
+        health.subscribed.store(true, Ordering::Relaxed);
+        health.mongodb_reachable.store(true, Ordering::Relaxed);
+        let worker = Worker::new(
+            settings(o.max_events),
+            intake,
+            buckets,
+            dead_letters,
+            Metrics::new(),
+            health.clone(),
+        );
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn(worker.run(shutdown.clone()));
+        Harness {
+            records,
+            events,
+            seen,
+            health,
+            shutdown,
+            handle,
+            start,
+        }
+    }
+
+    fn send(&self, partition: i32, offsets: impl IntoIterator<Item = i64>, valid: bool) {
+        for offset in offsets {
+            self.records.send(record(partition, offset, valid)).unwrap();
+        }
+    }
+
+    /// Lets the worker run until `at` (since the start) on the paused clock.
+    async fn until(&self, at: Duration) {
+        tokio::time::sleep_until(self.start + at).await;
+    }
+
+    fn writes(&self) -> Vec<(Duration, Vec<i64>)> {
+        self.seen.lock().unwrap().writes.clone()
+    }
+
+    fn commits(&self) -> Vec<(Duration, Vec<(TopicPartition, i64)>, Mode)> {
+        self.seen.lock().unwrap().commits.clone()
+    }
+
+    async fn stop(self) -> Shared {
+        self.shutdown.cancel();
+        self.handle.await.unwrap();
+        self.seen
+    }
+}
+
+fn tp(partition: i32) -> TopicPartition {
+    ("trades".to_string(), partition)
+}
+
+fn record(partition: i32, offset: i64, valid: bool) -> Record {
+    let payload = if valid {
+        format!(
+            r#"{{"tradeId":"T-{partition}-{offset}","customerId":7,"type":"buy","ticker":"MDB","qty":1,"date":"2023-10-26T15:47:03.434Z"}}"#
+        )
+    } else {
+        "not json".to_string()
+    };
+    Record {
+        tp: tp(partition),
+        offset,
+        key: None,
+        payload: Some(payload.into_bytes()),
+        headers: Vec::new(),
+        timestamp_ms: None,
+    }
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[tokio::test(start_paused = true)]
+async fn linger_closes_a_batch_and_a_full_batch_does_not_wait() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true);
+    h.until(ms(49)).await;
+    assert!(
+        h.writes().is_empty(),
+        "nothing is written before the linger"
+    );
+    h.until(ms(51)).await;
+    assert_eq!(h.writes(), vec![(LINGER, vec![0, 1, 2])]);
+
+    // Ten more at once: two full batches at once, the rest after a linger.
+    h.send(0, 3..13, true);
+    h.until(ms(200)).await;
+    let writes = h.writes();
+    assert_eq!(writes[1], (ms(51), vec![3, 4, 5, 6]));
+    assert_eq!(writes[2], (ms(51), vec![7, 8, 9, 10]));
+    assert_eq!(writes[3], (ms(101), vec![11, 12]));
+    h.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_write_is_retried_with_backoff_and_not_committed_until_it_succeeds() {
+    let h = Harness::start(
+        Options {
+            write_failures: 3,
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..5, true);
+    h.until(ms(300)).await;
+    assert!(h.commits().is_empty(), "no commit while the write fails");
+    assert_eq!(
+        h.health.readiness(),
+        Err("MongoDB writes failing: being retried")
+    );
+    h.until(ms(1000)).await;
+    let attempts: Vec<Duration> = h.writes().iter().map(|w| w.0).collect();
+    // Linger, then waits of 100, 200 and 400 ms (no jitter here).
+    assert_eq!(attempts, vec![ms(50), ms(150), ms(350), ms(750)]);
+    assert_eq!(
+        h.commits(),
+        vec![(ms(750), vec![(tp(0), 5)], Mode::Async)],
+        "one commit, after the successful attempt, of the next offset to read"
+    );
+    h.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn commits_wait_for_dead_letters_and_name_the_contiguous_prefix() {
+    let h = Harness::start(
+        Options {
+            dead_letter_failures: 2,
+            ..Options::default()
+        },
+        &[0, 1],
+    );
+    h.send(0, 0..2, true);
+    h.send(0, [2], false);
+    h.send(0, [3], true);
+    h.send(1, 0..2, true);
+    h.until(ms(300)).await;
+    assert!(
+        h.commits().is_empty(),
+        "nothing is committed while a dead letter of the batch is unacknowledged"
+    );
+    h.until(ms(1000)).await;
+    let dead: Vec<(Duration, i64)> = h.seen.lock().unwrap().dead_letters.clone();
+    assert_eq!(dead, vec![(ms(50), 2), (ms(150), 2), (ms(350), 2)]);
+    assert_eq!(
+        h.commits(),
+        vec![(ms(350), vec![(tp(0), 4), (tp(1), 2)], Mode::Async)]
+    );
+
+    // A later batch moves each partition on from where it was.
+    h.send(1, [2], true);
+    h.until(ms(2000)).await;
+    assert_eq!(h.commits()[1], (ms(1050), vec![(tp(1), 3)], Mode::Async));
+    h.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_revoked_partition_is_written_but_committed_only_by_its_owner() {
+    let h = Harness::start(Options::default(), &[0, 1]);
+    h.send(0, 0..2, true);
+    h.send(1, 0..2, true);
+    h.events
+        .lock()
+        .unwrap()
+        .push(GroupEvent::Revoked(vec![tp(1)]));
+    h.until(ms(100)).await;
+    assert_eq!(h.writes(), vec![(LINGER, vec![0, 1, 0, 1])]);
+    assert_eq!(h.commits(), vec![(LINGER, vec![(tp(0), 2)], Mode::Async)]);
+    h.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn drain_abandons_a_stuck_batch_at_its_deadline_without_committing_it() {
+    let h = Harness::start(
+        Options {
+            write_delay: Duration::from_secs(3600),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true);
+    h.until(ms(1000)).await;
+    assert_eq!(h.writes().len(), 1, "the batch is being written");
+    h.shutdown.cancel();
+    let cancelled = Instant::now();
+    let seen = h.stop().await;
+    assert_eq!(
+        cancelled.elapsed(),
+        DRAIN,
+        "stopped exactly at the drain deadline"
+    );
+    let seen = seen.lock().unwrap();
+    assert!(seen.left, "left the group");
+    assert_eq!(
+        seen.commits,
+        vec![(ms(1000) + DRAIN, vec![], Mode::Sync)],
+        "only the final commit, with nothing of the abandoned batch"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_finishing_within_the_drain_is_committed_at_shutdown() {
+    let h = Harness::start(
+        Options {
+            write_delay: Duration::from_secs(2),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true);
+    h.until(ms(1000)).await;
+    h.shutdown.cancel();
+    let seen = h.stop().await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(
+        seen.commits,
+        vec![
+            (ms(2050), vec![(tp(0), 3)], Mode::Async),
+            (ms(2050), vec![], Mode::Sync),
+        ]
+    );
+}
