@@ -218,6 +218,16 @@ const DERIVED_FIELDS: [&str; 2] = ["key", "offsetMinutes"];
 
 /// Decodes one payload. `max_bytes` is `kafka.max_message_bytes`.
 pub fn decode(payload: Option<&[u8]>, source: &Source, max_bytes: usize) -> Result<Trade, Reject> {
+    let text = payload_text(payload, max_bytes)?;
+    let mut fields = TradeFields::default();
+    for (name, raw) in &parse_object(text)? {
+        fields.read(name, raw.get())?;
+    }
+    fields.into_trade(source)
+}
+
+/// The payload as text, if it is present, within the limit and UTF-8.
+fn payload_text(payload: Option<&[u8]>, max_bytes: usize) -> Result<&str, Reject> {
     let bytes = match payload {
         None => return Err(Reject::new(RejectKind::Empty, "message has no payload")),
         Some([]) => return Err(Reject::new(RejectKind::Empty, "payload is empty")),
@@ -229,108 +239,109 @@ pub fn decode(payload: Option<&[u8]>, source: &Source, max_bytes: usize) -> Resu
             format!("payload is {} bytes, limit is {max_bytes}", bytes.len()),
         ));
     }
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| Reject::new(RejectKind::NotUtf8, format!("payload is not UTF-8 ({e})")))?;
-    let fields = parse_object(text)?;
+    std::str::from_utf8(bytes)
+        .map_err(|e| Reject::new(RejectKind::NotUtf8, format!("payload is not UTF-8 ({e})")))
+}
 
-    let mut trade_id: Option<(Bson, String)> = None;
-    let mut customer: Option<CustomerId> = None;
-    let mut side: Option<String> = None;
-    let mut ticker: Option<String> = None;
-    let mut qty: Option<Bson> = None;
-    let mut price: Option<Decimal128> = None;
-    let mut currency: Option<String> = None;
-    let mut date: Option<(i64, Option<i32>)> = None;
-    let mut extras = Document::new();
+/// The fields of one trade as they are read, each checked on its own.
+#[derive(Default)]
+struct TradeFields {
+    trade_id: Option<(Bson, String)>,
+    customer: Option<CustomerId>,
+    side: Option<String>,
+    ticker: Option<String>,
+    qty: Option<Bson>,
+    price: Option<Decimal128>,
+    currency: Option<String>,
+    date: Option<(i64, Option<i32>)>,
+    /// Fields of no meaning to us, kept as they are.
+    extras: Document,
+}
 
-    for (name, raw) in &fields {
-        let raw = raw.get();
-        match name.as_str() {
-            "tradeId" => trade_id = Some(parse_trade_id(raw)?),
-            "customerId" => customer = Some(parse_customer(raw)?),
-            "type" => side = Some(parse_side(raw)?),
-            "ticker" => ticker = Some(parse_ticker(raw)?),
-            "qty" | "quantity" => {
-                if qty.is_some() {
-                    return Err(Reject::new(
-                        RejectKind::DuplicateField,
-                        "both qty and quantity are present",
-                    ));
-                }
-                qty = Some(parse_qty(raw)?);
+impl TradeFields {
+    /// Reads one top-level field (`raw` is its JSON text).
+    fn read(&mut self, name: &str, raw: &str) -> Result<(), Reject> {
+        match name {
+            "tradeId" => self.trade_id = Some(parse_trade_id(raw)?),
+            "customerId" => self.customer = Some(parse_customer(raw)?),
+            "type" => self.side = Some(parse_side(raw)?),
+            "ticker" => self.ticker = Some(parse_ticker(raw)?),
+            "qty" | "quantity" if self.qty.is_some() => {
+                return Err(Reject::new(
+                    RejectKind::DuplicateField,
+                    "both qty and quantity are present",
+                ));
             }
-            "price" => {
-                if raw != "null" {
-                    price = Some(parse_price(raw)?);
-                }
-            }
-            "currency" => {
-                if raw != "null" {
-                    currency = Some(parse_currency(raw)?);
-                }
-            }
-            "date" => date = Some(parse_date(raw)?),
-            other => {
-                if DERIVED_FIELDS.contains(&other) {
-                    return Err(field_err(other, "is reserved for a derived field"));
-                }
-                check_field_name(other)?;
-                let value: serde_json::Value = serde_json::from_str(raw)
-                    .map_err(|e| Reject::new(RejectKind::NotJson, e.to_string()))?;
-                check_nested_names(&value, other)?;
-                let value = Bson::try_from(value).map_err(|e| field_err(other, &e.to_string()))?;
-                extras.insert(other.to_string(), value);
-            }
+            "qty" | "quantity" => self.qty = Some(parse_qty(raw)?),
+            "price" if raw != "null" => self.price = Some(parse_price(raw)?),
+            "currency" if raw != "null" => self.currency = Some(parse_currency(raw)?),
+            "price" | "currency" => {}
+            "date" => self.date = Some(parse_date(raw)?),
+            other => self.read_extra(other, raw)?,
         }
+        Ok(())
     }
 
-    let missing = |f: &str| Reject::new(RejectKind::MissingField, format!("{f} is required"));
-    let customer = customer.ok_or_else(|| missing("customerId"))?;
-    let side = side.ok_or_else(|| missing("type"))?;
-    let ticker = ticker.ok_or_else(|| missing("ticker"))?;
-    let qty = qty.ok_or_else(|| missing("qty"))?;
-    let (date_ms, offset_minutes) = date.ok_or_else(|| missing("date"))?;
+    fn read_extra(&mut self, name: &str, raw: &str) -> Result<(), Reject> {
+        if DERIVED_FIELDS.contains(&name) {
+            return Err(field_err(name, "is reserved for a derived field"));
+        }
+        check_field_name(name)?;
+        let value: serde_json::Value = serde_json::from_str(raw)
+            .map_err(|e| Reject::new(RejectKind::NotJson, e.to_string()))?;
+        check_nested_names(&value, name)?;
+        let value = Bson::try_from(value).map_err(|e| field_err(name, &e.to_string()))?;
+        self.extras.insert(name.to_string(), value);
+        Ok(())
+    }
 
-    let key = match &trade_id {
-        Some((_, text)) => format!("t:{text}"),
-        None => format!("o:{}/{}/{}", source.topic, source.partition, source.offset),
-    };
-
-    let mut doc = Document::new();
-    if let Some((value, _)) = trade_id {
-        doc.insert("tradeId", value);
+    /// The trade, once every required field is there.
+    fn into_trade(self, source: &Source) -> Result<Trade, Reject> {
+        let missing = |f: &str| Reject::new(RejectKind::MissingField, format!("{f} is required"));
+        let customer = self.customer.ok_or_else(|| missing("customerId"))?;
+        let side = self.side.ok_or_else(|| missing("type"))?;
+        let ticker = self.ticker.ok_or_else(|| missing("ticker"))?;
+        let qty = self.qty.ok_or_else(|| missing("qty"))?;
+        let (date_ms, offset_minutes) = self.date.ok_or_else(|| missing("date"))?;
+        let key = match &self.trade_id {
+            Some((_, text)) => format!("t:{text}"),
+            None => format!("o:{}/{}/{}", source.topic, source.partition, source.offset),
+        };
+        let mut doc = Document::new();
+        if let Some((value, _)) = self.trade_id {
+            doc.insert("tradeId", value);
+        }
+        doc.insert("type", side);
+        doc.insert("ticker", ticker.clone());
+        doc.insert("qty", qty);
+        if let Some(p) = self.price {
+            doc.insert("price", p);
+        }
+        if let Some(c) = self.currency {
+            doc.insert("currency", c);
+        }
+        doc.insert("date", bson::DateTime::from_millis(date_ms));
+        if let Some(minutes) = offset_minutes {
+            doc.insert("offsetMinutes", minutes);
+        }
+        doc.extend(self.extras);
+        doc.insert("key", key.clone());
+        // Cannot fail for what the checks above let through (no NUL in
+        // names), but an encoding error is bad input, not a reason to panic.
+        let doc = RawDocumentBuf::from_document(&doc).map_err(|e| {
+            Reject::new(
+                RejectKind::InvalidField,
+                format!("the trade cannot be encoded as BSON: {e}"),
+            )
+        })?;
+        Ok(Trade {
+            key,
+            customer,
+            ticker,
+            date_ms,
+            doc,
+        })
     }
-    doc.insert("type", side);
-    doc.insert("ticker", ticker.clone());
-    doc.insert("qty", qty);
-    if let Some(p) = price {
-        doc.insert("price", p);
-    }
-    if let Some(c) = currency {
-        doc.insert("currency", c);
-    }
-    doc.insert("date", bson::DateTime::from_millis(date_ms));
-    if let Some(minutes) = offset_minutes {
-        doc.insert("offsetMinutes", minutes);
-    }
-    doc.extend(extras);
-    doc.insert("key", key.clone());
-    // Cannot fail for what the checks above let through (no NUL in names),
-    // but an encoding error is bad input, not a reason to panic.
-    let doc = RawDocumentBuf::from_document(&doc).map_err(|e| {
-        Reject::new(
-            RejectKind::InvalidField,
-            format!("the trade cannot be encoded as BSON: {e}"),
-        )
-    })?;
-
-    Ok(Trade {
-        key,
-        customer,
-        ticker,
-        date_ms,
-        doc,
-    })
 }
 
 /// The top-level object as (name, raw JSON) pairs in input order, refusing

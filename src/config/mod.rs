@@ -317,6 +317,13 @@ impl Settings {
 
     /// Cross-field and range rules that types alone cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_kafka()?;
+        self.validate_mongodb()?;
+        self.validate_buckets_and_batch()?;
+        self.validate_retry_and_timeouts()
+    }
+
+    fn validate_kafka(&self) -> Result<(), ConfigError> {
         let k = &self.kafka;
         if k.brokers.trim().is_empty() {
             return Err(invalid("kafka.brokers", "must not be empty"));
@@ -356,6 +363,10 @@ impl Settings {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    fn validate_mongodb(&self) -> Result<(), ConfigError> {
         let m = &self.mongodb;
         if m.database.is_empty() || m.collection.is_empty() {
             return Err(invalid(
@@ -374,7 +385,11 @@ impl Settings {
                 self.scrubber().scrub(&e.to_string()),
             ));
         }
-        let b = &self.buckets;
+        Ok(())
+    }
+
+    fn validate_buckets_and_batch(&self) -> Result<(), ConfigError> {
+        let (b, k) = (&self.buckets, &self.kafka);
         if !(1..=1000).contains(&b.capacity) {
             return Err(invalid("buckets.capacity", "must be between 1 and 1000"));
         }
@@ -394,6 +409,10 @@ impl Settings {
                 "batch.max_events and batch.max_bytes must be positive",
             ));
         }
+        Ok(())
+    }
+
+    fn validate_retry_and_timeouts(&self) -> Result<(), ConfigError> {
         let r = &self.retry;
         if r.initial_interval.is_zero() || r.max_interval < r.initial_interval {
             return Err(invalid(
@@ -409,6 +428,21 @@ impl Settings {
                 "retry.randomization_factor",
                 "must be between 0 and 1",
             ));
+        }
+        let t = &self.timeouts;
+        let limits = [
+            (
+                "timeouts.mongodb_server_selection",
+                t.mongodb_server_selection,
+            ),
+            ("timeouts.mongodb_connect", t.mongodb_connect),
+            ("timeouts.mongodb_ping_interval", t.mongodb_ping_interval),
+            ("timeouts.mongodb_ping", t.mongodb_ping),
+            ("timeouts.dead_letter_delivery", t.dead_letter_delivery),
+            ("timeouts.liveness_stall", t.liveness_stall),
+        ];
+        if let Some((field, _)) = limits.iter().find(|(_, d)| d.is_zero()) {
+            return Err(invalid(field, "must be positive"));
         }
         Ok(())
     }
