@@ -81,7 +81,7 @@ USER 10001:10001
 # /metrics, /healthz, /readyz
 EXPOSE 8080
 # SIGTERM (Docker's default stop signal) makes `run` drain, commit and
-# leave the consumer group; give it more than shutdown.drain_timeout_ms
+# leave the consumer group; give it more than shutdown.drain_timeout
 # (10 s) before the kill (docker stop -t 30, stop_grace_period,
 # terminationGracePeriodSeconds).
 ENTRYPOINT ["/usr/local/bin/tradebucket"]
