@@ -27,11 +27,8 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use mongodb::bson::Bson;
 
-use crate::event::{CustomerId, Source, Trade, MAX_EPOCH_SECONDS};
-
-/// Largest same-second suffix; six digits keep string order equal to
-/// numeric order.
-const MAX_SUFFIX: u32 = 999_999;
+use super::id::{Position, Prefix};
+use crate::event::{CustomerId, Source, Trade};
 
 /// What we know of a customer's newest bucket.
 #[derive(Debug, Clone, PartialEq)]
@@ -125,51 +122,6 @@ impl CustomerPlan {
     }
 }
 
-/// The `_id` prefix shared by all of a customer's buckets, and the `prev` of
-/// the first one.
-pub fn id_prefix(customer: &CustomerId) -> String {
-    format!("{}_", customer.id_text())
-}
-
-/// `<customer>_<10-digit seconds>` or, when a bucket must sort after one
-/// that started in the same second or later, `..._<6-digit suffix>`.
-pub fn format_bucket_id(prefix: &str, secs: i64, suffix: u32) -> String {
-    if suffix == 0 {
-        format!("{prefix}{secs:010}")
-    } else {
-        format!("{prefix}{secs:010}_{suffix:06}")
-    }
-}
-
-/// Inverse of [`format_bucket_id`]; `None` for an `_id` not of that form.
-pub fn parse_bucket_id(prefix: &str, id: &str) -> Option<(i64, u32)> {
-    let rest = id.strip_prefix(prefix)?;
-    let (secs, suffix) = match rest.split_once('_') {
-        Some((s, n)) if n.len() == 6 && n.bytes().all(|b| b.is_ascii_digit()) => {
-            (s, n.parse().ok()?)
-        }
-        Some(_) => return None,
-        None => (rest, 0),
-    };
-    if secs.len() != 10 || !secs.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((secs.parse().ok()?, suffix))
-}
-
-/// The position of the bucket after `prev` whose first trade is at
-/// `first_secs`: its own second when that is later, otherwise the previous
-/// second with the next suffix, so `_id` order is always page order.
-pub fn next_bucket_position(prev: Option<(i64, u32)>, first_secs: i64) -> Option<(i64, u32)> {
-    match prev {
-        None => Some((first_secs, 0)),
-        Some((secs, _)) if first_secs > secs => Some((first_secs, 0)),
-        Some((secs, n)) if n < MAX_SUFFIX => Some((secs, n + 1)),
-        Some((secs, _)) if secs < MAX_EPOCH_SECONDS => Some((secs + 1, 0)),
-        Some(_) => None,
-    }
-}
-
 /// Plans one customer's events (in stream order) against `head`.
 /// `known_elsewhere` holds keys found stored in other buckets of this
 /// customer (learnt after a duplicate-key error).
@@ -227,11 +179,11 @@ pub fn plan_customer(
         }
     }
 
-    let prefix = id_prefix(customer);
+    let prefix = Prefix::of(customer);
     while !rest.is_empty() {
         let prev_pos = match head.as_ref() {
             None => None,
-            Some(h) => match parse_bucket_id(&prefix, &h.id) {
+            Some(h) => match prefix.parse(&h.id) {
                 Some(pos) => Some(pos),
                 None => {
                     let why = format!(
@@ -244,8 +196,7 @@ pub fn plan_customer(
                 }
             },
         };
-        let Some((secs, suffix)) = next_bucket_position(prev_pos, rest[0].trade.epoch_seconds())
-        else {
+        let Some(at) = Position::next(prev_pos, rest[0].trade.epoch_seconds()) else {
             let why = "no bucket _id sorts after the newest bucket".to_string();
             plan.unplaceable
                 .extend(rest.iter().map(|ev| (ev.index, why.clone())));
@@ -255,10 +206,10 @@ pub fn plan_customer(
         let (now, later) = rest.split_at(take);
         let mut wm = head.as_ref().map(|h| h.wm.clone()).unwrap_or_default();
         let mut bucket = NewBucket {
-            id: format_bucket_id(&prefix, secs, suffix),
+            id: prefix.id(at),
             prev: head
                 .as_ref()
-                .map_or_else(|| prefix.clone(), |h| h.id.clone()),
+                .map_or_else(|| prefix.as_str().to_string(), |h| h.id.clone()),
             customer: head
                 .as_ref()
                 .map_or_else(|| customer.to_bson(), |h| h.customer.clone()),

@@ -14,7 +14,8 @@ use std::num::NonZeroUsize;
 use lru::LruCache;
 use mongodb::bson::RawDocumentBuf;
 
-use super::plan::{id_prefix, plan_customer, BucketHead, CustomerPlan, Event, Known};
+use super::id::Prefix;
+use super::plan::{plan_customer, BucketHead, CustomerPlan, Event, Known};
 use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 use crate::metrics::Metrics;
@@ -436,7 +437,7 @@ impl BucketWriter {
         let mut stored: HashSet<usize> = HashSet::new();
         for (key, bucket_id) in &found {
             for &i in asked.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
-                if bucket_id.starts_with(&id_prefix(&events[i].0.customer)) {
+                if Prefix::of(&events[i].0.customer).owns(bucket_id) {
                     stored.insert(i);
                 }
             }
@@ -495,7 +496,7 @@ impl BucketWriter {
         for (key, bucket_id) in found {
             for &i in owner_of.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
                 let customer = &events[i].0.customer;
-                if bucket_id.starts_with(&id_prefix(customer)) {
+                if Prefix::of(customer).owns(&bucket_id) {
                     known
                         .entry(customer.clone())
                         .or_default()
