@@ -27,8 +27,12 @@ use crate::event::{CustomerId, Trade};
 /// Duplicate key: another writer (or an earlier delivery) got there first.
 pub const DUPLICATE_KEY: i32 = 11000;
 
-/// Statements per `update` command: well under the 100,000 limit and the
-/// 16 MiB command size for buckets of typical trades.
+/// Bytes of fill statements per `update` command (a byte budget, not a
+/// statement count). A command over MongoDB's 16 MiB limit is refused
+/// whole, so the fills are cut into several commands at half of it, which
+/// leaves room for the command's other fields; a statement larger than the
+/// budget goes alone. At typical trade sizes a command this big also stays
+/// far under the 100,000-statement limit.
 const MAX_STATEMENT_BYTES: usize = 8 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
