@@ -17,10 +17,10 @@ use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 
-use crate::bucket::plan::parse_bucket_id;
-use crate::bucket::store::{prefix_range, BucketStore, StoreError};
 use secrecy::ExposeSecret;
 
+use crate::bucket::id::Prefix;
+use crate::bucket::store::{BucketStore, StoreError};
 use crate::config::Settings;
 use crate::event::CustomerId;
 
@@ -114,51 +114,66 @@ pub async fn audit(
     settings: &Settings,
     customer: Option<&CustomerId>,
 ) -> Result<AuditReport, CliError> {
-    const MAX_LISTED: usize = 100;
     let store = BucketStore::connect(settings).await?;
-    let capacity = u64::from(settings.buckets.capacity);
-    let filter = customer.map(prefix_range).unwrap_or_default();
+    let filter = customer.map(|c| Prefix::of(c).range()).unwrap_or_default();
     let mut cursor = store
         .collection()
         .find(filter)
         .sort(doc! {"_id": 1})
         .projection(doc! {"count": 1, "prev": 1, "customerId": 1, "tickers": 1, "history.key": 1, "history.ticker": 1})
         .await?;
-    let mut report = AuditReport::default();
-    let mut keys: HashSet<String> = HashSet::new();
-    // The current customer's prefix, its last bucket's id and count.
-    let mut current: Option<(String, String, u64)> = None;
-    let violation = |report: &mut AuditReport, v: String| {
-        if report.violations.len() < MAX_LISTED {
-            report.violations.push(v);
-        } else if report.violations.len() == MAX_LISTED {
-            report
-                .violations
-                .push("... (further violations not listed)".into());
-        }
+    let mut audit = Audit {
+        capacity: u64::from(settings.buckets.capacity),
+        report: AuditReport::default(),
+        keys: HashSet::new(),
+        current: None,
     };
     while let Some(d) = cursor.try_next().await? {
-        report.buckets += 1;
+        audit.bucket(&d);
+    }
+    Ok(audit.report)
+}
+
+/// The audit's state while it reads the buckets in `_id` order.
+struct Audit {
+    capacity: u64,
+    report: AuditReport,
+    /// Every trade key seen so far: each must be stored once.
+    keys: HashSet<String>,
+    /// The current customer's prefix, its last bucket's id and count.
+    current: Option<(Prefix, String, u64)>,
+}
+
+impl Audit {
+    const MAX_LISTED: usize = 100;
+
+    fn violation(&mut self, v: String) {
+        let violations = &mut self.report.violations;
+        if violations.len() < Self::MAX_LISTED {
+            violations.push(v);
+        } else if violations.len() == Self::MAX_LISTED {
+            violations.push("... (further violations not listed)".into());
+        }
+    }
+
+    /// Checks one bucket, read after every bucket of lower `_id`.
+    fn bucket(&mut self, d: &Document) {
+        self.report.buckets += 1;
         let id = match d.get("_id") {
             Some(Bson::String(s)) => s.clone(),
             other => {
-                violation(&mut report, format!("bucket with non-string _id {other:?}"));
-                continue;
+                self.violation(format!("bucket with non-string _id {other:?}"));
+                return;
             }
         };
-        let Some((prefix, _)) = id.split_once('_') else {
-            violation(
-                &mut report,
-                format!("{id}: _id is not <customer>_<seconds>"),
-            );
-            continue;
+        let Some(prefix) = Prefix::of_id(&id) else {
+            self.violation(format!("{id}: _id is not <customer>_<seconds>"));
+            return;
         };
-        let prefix = format!("{prefix}_");
-        if parse_bucket_id(&prefix, &id).is_none() {
-            violation(
-                &mut report,
-                format!("{id}: _id is not <customer>_<10-digit seconds>[_<6-digit suffix>]"),
-            );
+        if prefix.parse(&id).is_none() {
+            self.violation(format!(
+                "{id}: _id is not <customer>_<10-digit seconds>[_<6-digit suffix>]"
+            ));
         }
         let customer_text = match d.get("customerId") {
             Some(Bson::Int64(i)) => i.to_string(),
@@ -166,49 +181,45 @@ pub async fn audit(
             Some(Bson::String(s)) => s.clone(),
             other => format!("{other:?}"),
         };
-        if format!("{customer_text}_") != prefix {
-            violation(
-                &mut report,
-                format!("{id}: customerId {customer_text} does not match the _id"),
-            );
+        if customer_text != prefix.customer_text() {
+            self.violation(format!(
+                "{id}: customerId {customer_text} does not match the _id"
+            ));
         }
+        let trades = self.history(&id, d);
+        self.chain(&id, prefix, d, trades);
+    }
+
+    /// `count`, capacity, keys stored once, `tickers`; returns the number
+    /// of trades in `history`.
+    fn history(&mut self, id: &str, d: &Document) -> u64 {
         let history: Vec<&Document> = d
             .get_array("history")
             .map(|a| a.iter().filter_map(Bson::as_document).collect())
             .unwrap_or_default();
+        let len = history.len() as u64;
         let count = match d.get("count") {
             Some(Bson::Int64(n)) => *n as u64,
             Some(Bson::Int32(n)) => *n as u64,
             _ => u64::MAX,
         };
-        if count != history.len() as u64 {
-            violation(
-                &mut report,
-                format!(
-                    "{id}: count {count} but {} trades in history",
-                    history.len()
-                ),
-            );
+        if count != len {
+            self.violation(format!("{id}: count {count} but {len} trades in history"));
         }
-        if history.is_empty() || history.len() as u64 > capacity {
-            violation(
-                &mut report,
-                format!("{id}: {} trades, capacity is {capacity}", history.len()),
-            );
+        if history.is_empty() || len > self.capacity {
+            let capacity = self.capacity;
+            self.violation(format!("{id}: {len} trades, capacity is {capacity}"));
         }
-        report.trades += history.len() as u64;
+        self.report.trades += len;
         let mut tickers = BTreeSet::new();
         for h in &history {
             match h.get_str("key") {
                 Ok(k) => {
-                    if !keys.insert(k.to_string()) {
-                        violation(
-                            &mut report,
-                            format!("{id}: trade {k} is stored more than once"),
-                        );
+                    if !self.keys.insert(k.to_string()) {
+                        self.violation(format!("{id}: trade {k} is stored more than once"));
                     }
                 }
-                Err(_) => violation(&mut report, format!("{id}: a trade has no key")),
+                Err(_) => self.violation(format!("{id}: a trade has no key")),
             }
             if let Ok(t) = h.get_str("ticker") {
                 tickers.insert(t.to_string());
@@ -223,42 +234,39 @@ pub async fn audit(
             })
             .unwrap_or_default();
         if stored != tickers {
-            violation(
-                &mut report,
-                format!("{id}: tickers {stored:?} but history has {tickers:?}"),
-            );
+            self.violation(format!(
+                "{id}: tickers {stored:?} but history has {tickers:?}"
+            ));
         }
+        len
+    }
+
+    /// The `prev` chain: a customer's first bucket names its prefix, every
+    /// later one its predecessor, which must be full.
+    fn chain(&mut self, id: &str, prefix: Prefix, d: &Document, trades: u64) {
         let prev = d.get_str("prev").unwrap_or("<missing>").to_string();
-        match &current {
-            Some((p, last_id, last_count)) if *p == prefix => {
-                if *last_count != capacity {
-                    violation(
-                        &mut report,
-                        format!(
-                            "{last_id}: holds {last_count} trades but is not the newest bucket"
-                        ),
-                    );
+        match self.current.take() {
+            Some((p, last_id, last_count)) if p == prefix => {
+                if last_count != self.capacity {
+                    self.violation(format!(
+                        "{last_id}: holds {last_count} trades but is not the newest bucket"
+                    ));
                 }
-                if prev != *last_id {
-                    violation(
-                        &mut report,
-                        format!("{id}: prev is {prev}, expected {last_id}"),
-                    );
+                if prev != last_id {
+                    self.violation(format!("{id}: prev is {prev}, expected {last_id}"));
                 }
             }
             _ => {
-                report.customers += 1;
-                if prev != prefix {
-                    violation(
-                        &mut report,
-                        format!("{id}: first bucket of its customer but prev is {prev}"),
-                    );
+                self.report.customers += 1;
+                if prev != prefix.as_str() {
+                    self.violation(format!(
+                        "{id}: first bucket of its customer but prev is {prev}"
+                    ));
                 }
             }
         }
-        current = Some((prefix, id, history.len() as u64));
+        self.current = Some((prefix, id.to_string(), trades));
     }
-    Ok(report)
 }
 
 /// What `produce` generates (also the `produce` command's flags).

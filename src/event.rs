@@ -112,7 +112,8 @@ pub enum CustomerId {
 }
 
 impl CustomerId {
-    /// The `_id` prefix text (without the `_`).
+    /// The id as text: how it is shown, and the customer part of its
+    /// buckets' `_id` (see [`crate::bucket::id::Prefix`]).
     pub fn id_text(&self) -> String {
         match self {
             CustomerId::Int(i) => i.to_string(),
@@ -153,9 +154,8 @@ fn validate_customer(id: &CustomerId) -> Result<(), Reject> {
                 return Err(field_err("customerId", "must have 1 to 64 characters"));
             }
             if !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
-                // `_` in particular: it separates the customer from the time
-                // in a bucket `_id`, so allowing it would let one customer's
-                // page query match another's buckets.
+                // `_` in particular: see `bucket::id` for why a bucket `_id`
+                // depends on it.
                 return Err(field_err(
                     "customerId",
                     "may only contain A-Z, a-z, 0-9 and '-'",

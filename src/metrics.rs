@@ -22,7 +22,7 @@ pub struct Metrics {
     pub bucket_conflicts: IntCounter,
     pub batch_events: Histogram,
     pub batch_customers: Histogram,
-    /// operation: fill | insert | load
+    /// operation: load | find_keys | fill | insert (see `bucket::writer`)
     pub mongodb_write_duration: HistogramVec,
     /// kind: mongodb | dead_letter | commit
     pub retries: IntCounterVec,
@@ -98,7 +98,7 @@ impl Metrics {
             mongodb_write_duration: HistogramVec::new(
                 HistogramOpts::new(
                     "tradebucket_mongodb_request_duration_seconds",
-                    "Duration of MongoDB requests made by the writer, by operation.",
+                    "Duration of MongoDB requests made by the writer, by operation: load (newest buckets), find_keys (where trade keys are stored), fill (appends), insert (new buckets).",
                 )
                 .buckets(vec![
                     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,

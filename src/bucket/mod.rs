@@ -1,6 +1,7 @@
-//! Bucket documents: planning (pure), the MongoDB store, and the writer
-//! that runs plans and resolves conflicts.
+//! Bucket documents: their `_id`, planning (pure), the MongoDB store, and
+//! the writer that runs plans and resolves conflicts.
 
+pub mod id;
 pub mod plan;
 pub mod store;
 pub mod writer;

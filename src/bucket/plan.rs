@@ -27,11 +27,8 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use mongodb::bson::Bson;
 
-use crate::event::{CustomerId, Source, Trade, MAX_EPOCH_SECONDS};
-
-/// Largest same-second suffix; six digits keep string order equal to
-/// numeric order.
-const MAX_SUFFIX: u32 = 999_999;
+use super::id::{Position, Prefix};
+use crate::event::{CustomerId, Source, Trade};
 
 /// What we know of a customer's newest bucket.
 #[derive(Debug, Clone, PartialEq)]
@@ -125,54 +122,9 @@ impl CustomerPlan {
     }
 }
 
-/// The `_id` prefix shared by all of a customer's buckets, and the `prev` of
-/// the first one.
-pub fn id_prefix(customer: &CustomerId) -> String {
-    format!("{}_", customer.id_text())
-}
-
-/// `<customer>_<10-digit seconds>` or, when a bucket must sort after one
-/// that started in the same second or later, `..._<6-digit suffix>`.
-pub fn format_bucket_id(prefix: &str, secs: i64, suffix: u32) -> String {
-    if suffix == 0 {
-        format!("{prefix}{secs:010}")
-    } else {
-        format!("{prefix}{secs:010}_{suffix:06}")
-    }
-}
-
-/// Inverse of [`format_bucket_id`]; `None` for an `_id` not of that form.
-pub fn parse_bucket_id(prefix: &str, id: &str) -> Option<(i64, u32)> {
-    let rest = id.strip_prefix(prefix)?;
-    let (secs, suffix) = match rest.split_once('_') {
-        Some((s, n)) if n.len() == 6 && n.bytes().all(|b| b.is_ascii_digit()) => {
-            (s, n.parse().ok()?)
-        }
-        Some(_) => return None,
-        None => (rest, 0),
-    };
-    if secs.len() != 10 || !secs.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((secs.parse().ok()?, suffix))
-}
-
-/// The position of the bucket after `prev` whose first trade is at
-/// `first_secs`: its own second when that is later, otherwise the previous
-/// second with the next suffix, so `_id` order is always page order.
-pub fn next_bucket_position(prev: Option<(i64, u32)>, first_secs: i64) -> Option<(i64, u32)> {
-    match prev {
-        None => Some((first_secs, 0)),
-        Some((secs, _)) if first_secs > secs => Some((first_secs, 0)),
-        Some((secs, n)) if n < MAX_SUFFIX => Some((secs, n + 1)),
-        Some((secs, _)) if secs < MAX_EPOCH_SECONDS => Some((secs + 1, 0)),
-        Some(_) => None,
-    }
-}
-
-/// Plans one customer's events (in stream order) against `head`.
-/// `known_elsewhere` holds keys found stored in other buckets of this
-/// customer (learnt after a duplicate-key error).
+/// Plans one customer's events (in stream order) against `head`, its
+/// newest bucket as we know it. `known` holds what the writer learnt from
+/// the database about keys the head does not show (see [`Known`]).
 pub fn plan_customer(
     customer: &CustomerId,
     head: Option<&BucketHead>,
@@ -181,7 +133,50 @@ pub fn plan_customer(
     capacity: u32,
 ) -> CustomerPlan {
     let mut plan = CustomerPlan::default();
-    let mut accepted: Vec<Event<'_>> = Vec::with_capacity(events.len());
+    let accepted = classify(head, events, known, &mut plan);
+    let mut head = head.cloned();
+    let mut rest = accepted.as_slice();
+
+    if let Some(h) = head
+        .as_mut()
+        .filter(|h| h.count < capacity && !rest.is_empty())
+    {
+        let (now, later) = rest.split_at(rest.len().min((capacity - h.count) as usize));
+        plan.fill = Some(fill(h, now));
+        rest = later;
+    }
+
+    let prefix = Prefix::of(customer);
+    while !rest.is_empty() {
+        let at = match next_position(&prefix, head.as_ref(), rest[0].trade.epoch_seconds()) {
+            Ok(at) => at,
+            Err(why) => {
+                plan.unplaceable
+                    .extend(rest.iter().map(|ev| (ev.index, why.clone())));
+                break;
+            }
+        };
+        let (now, later) = rest.split_at(rest.len().min(capacity as usize));
+        let (bucket, after) = open_bucket(&prefix, customer, head.as_ref(), at, now);
+        plan.new_buckets.push(bucket);
+        head = Some(after);
+        rest = later;
+    }
+
+    plan.after = head;
+    plan
+}
+
+/// Records in `plan` the events already stored (at or below the watermark,
+/// unless known not to be) and the duplicates (key in the open bucket,
+/// known elsewhere, or earlier in the batch); returns the rest, in order.
+fn classify<'a>(
+    head: Option<&BucketHead>,
+    events: &[Event<'a>],
+    known: &Known,
+    plan: &mut CustomerPlan,
+) -> Vec<Event<'a>> {
+    let mut accepted: Vec<Event<'a>> = Vec::with_capacity(events.len());
     let mut seen: HashSet<&str> = HashSet::new();
     for ev in events {
         let applied =
@@ -197,96 +192,88 @@ pub fn plan_customer(
             accepted.push(*ev);
         }
     }
+    accepted
+}
 
-    let mut head = head.cloned();
-    let mut rest = accepted.as_slice();
-
-    if let Some(h) = head.as_mut() {
-        if h.count < capacity && !rest.is_empty() {
-            let take = rest.len().min((capacity - h.count) as usize);
-            let (now, later) = rest.split_at(take);
-            let mut fill = Fill {
-                bucket_id: h.id.clone(),
-                expected_count: h.count,
-                events: Vec::with_capacity(take),
-                wm: BTreeMap::new(),
-                tickers: BTreeSet::new(),
-            };
-            for ev in now {
-                fill.events.push(ev.index);
-                advance(&mut fill.wm, ev.source);
-                fill.tickers.insert(ev.trade.ticker.clone());
-                h.keys.insert(ev.trade.key.clone());
-            }
-            h.count += take as u32;
-            for (k, v) in &fill.wm {
-                advance_to(&mut h.wm, k, *v);
-            }
-            plan.fill = Some(fill);
-            rest = later;
-        }
+/// The guarded append of `events` to the open bucket `head`, which has
+/// room for them; `head` becomes the bucket as it will be after it.
+fn fill(head: &mut BucketHead, events: &[Event<'_>]) -> Fill {
+    let mut fill = Fill {
+        bucket_id: head.id.clone(),
+        expected_count: head.count,
+        events: Vec::with_capacity(events.len()),
+        wm: BTreeMap::new(),
+        tickers: BTreeSet::new(),
+    };
+    for ev in events {
+        fill.events.push(ev.index);
+        advance(&mut fill.wm, ev.source);
+        fill.tickers.insert(ev.trade.ticker.clone());
+        head.keys.insert(ev.trade.key.clone());
     }
-
-    let prefix = id_prefix(customer);
-    while !rest.is_empty() {
-        let prev_pos = match head.as_ref() {
-            None => None,
-            Some(h) => match parse_bucket_id(&prefix, &h.id) {
-                Some(pos) => Some(pos),
-                None => {
-                    let why = format!(
-                        "the newest bucket {:?} has an _id this version cannot extend",
-                        h.id
-                    );
-                    plan.unplaceable
-                        .extend(rest.iter().map(|ev| (ev.index, why.clone())));
-                    break;
-                }
-            },
-        };
-        let Some((secs, suffix)) = next_bucket_position(prev_pos, rest[0].trade.epoch_seconds())
-        else {
-            let why = "no bucket _id sorts after the newest bucket".to_string();
-            plan.unplaceable
-                .extend(rest.iter().map(|ev| (ev.index, why.clone())));
-            break;
-        };
-        let take = rest.len().min(capacity as usize);
-        let (now, later) = rest.split_at(take);
-        let mut wm = head.as_ref().map(|h| h.wm.clone()).unwrap_or_default();
-        let mut bucket = NewBucket {
-            id: format_bucket_id(&prefix, secs, suffix),
-            prev: head
-                .as_ref()
-                .map_or_else(|| prefix.clone(), |h| h.id.clone()),
-            customer: head
-                .as_ref()
-                .map_or_else(|| customer.to_bson(), |h| h.customer.clone()),
-            events: Vec::with_capacity(take),
-            wm: BTreeMap::new(),
-            tickers: BTreeSet::new(),
-        };
-        let mut keys = HashSet::with_capacity(take);
-        for ev in now {
-            bucket.events.push(ev.index);
-            advance(&mut wm, ev.source);
-            bucket.tickers.insert(ev.trade.ticker.clone());
-            keys.insert(ev.trade.key.clone());
-        }
-        bucket.wm = wm.clone();
-        head = Some(BucketHead {
-            id: bucket.id.clone(),
-            customer: bucket.customer.clone(),
-            count: take as u32,
-            keys,
-            wm,
-        });
-        plan.new_buckets.push(bucket);
-        rest = later;
+    head.count += events.len() as u32;
+    for (k, v) in &fill.wm {
+        advance_to(&mut head.wm, k, *v);
     }
+    fill
+}
 
-    plan.after = head;
-    plan
+/// Where the bucket after `head` goes when its first trade is at
+/// `first_secs`; or why no bucket can follow `head`.
+fn next_position(
+    prefix: &Prefix,
+    head: Option<&BucketHead>,
+    first_secs: i64,
+) -> Result<Position, String> {
+    let prev = match head {
+        None => None,
+        Some(h) => Some(prefix.parse(&h.id).ok_or_else(|| {
+            format!(
+                "the newest bucket {:?} has an _id this version cannot extend",
+                h.id
+            )
+        })?),
+    };
+    Position::next(prev, first_secs)
+        .ok_or_else(|| "no bucket _id sorts after the newest bucket".to_string())
+}
+
+/// A new bucket at `at` holding `events`, after `head` (or the customer's
+/// first); and the newest bucket once it is in.
+fn open_bucket(
+    prefix: &Prefix,
+    customer: &CustomerId,
+    head: Option<&BucketHead>,
+    at: Position,
+    events: &[Event<'_>],
+) -> (NewBucket, BucketHead) {
+    // A new bucket carries the customer's whole watermark, so the newest
+    // bucket alone tells what is applied.
+    let mut wm = head.map(|h| h.wm.clone()).unwrap_or_default();
+    let mut bucket = NewBucket {
+        id: prefix.id(at),
+        prev: head.map_or_else(|| prefix.as_str().to_string(), |h| h.id.clone()),
+        customer: head.map_or_else(|| customer.to_bson(), |h| h.customer.clone()),
+        events: Vec::with_capacity(events.len()),
+        wm: BTreeMap::new(),
+        tickers: BTreeSet::new(),
+    };
+    let mut keys = HashSet::with_capacity(events.len());
+    for ev in events {
+        bucket.events.push(ev.index);
+        advance(&mut wm, ev.source);
+        bucket.tickers.insert(ev.trade.ticker.clone());
+        keys.insert(ev.trade.key.clone());
+    }
+    bucket.wm = wm.clone();
+    let after = BucketHead {
+        id: bucket.id.clone(),
+        customer: bucket.customer.clone(),
+        count: events.len() as u32,
+        keys,
+        wm,
+    };
+    (bucket, after)
 }
 
 fn advance(wm: &mut BTreeMap<String, i64>, source: &Source) {

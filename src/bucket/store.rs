@@ -18,6 +18,7 @@ use mongodb::options::{
 };
 use mongodb::{Client, Collection, Database, IndexModel};
 
+use super::id::Prefix;
 use super::plan::{BucketHead, Fill, NewBucket};
 use secrecy::ExposeSecret;
 
@@ -27,8 +28,12 @@ use crate::event::{CustomerId, Trade};
 /// Duplicate key: another writer (or an earlier delivery) got there first.
 pub const DUPLICATE_KEY: i32 = 11000;
 
-/// Statements per `update` command: well under the 100,000 limit and the
-/// 16 MiB command size for buckets of typical trades.
+/// Bytes of fill statements per `update` command (a byte budget, not a
+/// statement count). A command over MongoDB's 16 MiB limit is refused
+/// whole, so the fills are cut into several commands at half of it, which
+/// leaves room for the command's other fields; a statement larger than the
+/// budget goes alone. At typical trade sizes a command this big also stays
+/// far under the 100,000-statement limit.
 const MAX_STATEMENT_BYTES: usize = 8 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
@@ -191,7 +196,7 @@ impl BucketStore {
             .build();
         let doc = self
             .coll
-            .find_one(prefix_range(customer))
+            .find_one(Prefix::of(customer).range())
             .with_options(options)
             .await?;
         doc.map(|d| head_from_document(&d)).transpose()
@@ -324,27 +329,15 @@ impl BucketStore {
         customer: &CustomerId,
         n: u64,
     ) -> Result<Option<Document>, StoreError> {
-        let regex = mongodb::bson::Regex {
-            pattern: format!("^{}_", customer.id_text()),
-            options: String::new(),
-        };
         let mut cursor = self
             .coll
-            .find(doc! {"_id": regex})
+            .find(doc! {"_id": Prefix::of(customer).page_regex()})
             .sort(doc! {"_id": 1})
             .skip(n.saturating_sub(1))
             .limit(1)
             .await?;
         Ok(cursor.try_next().await?)
     }
-}
-
-/// `{_id: {$gte: "<c>_", $lt: "<c>`"}}`: the customer's buckets and no
-/// other customer's, since '`' is the character after '_' and customer ids
-/// cannot contain '_'. Uses the `_id` index.
-pub fn prefix_range(customer: &CustomerId) -> Document {
-    let id = customer.id_text();
-    doc! {"_id": {"$gte": format!("{id}_"), "$lt": format!("{id}`")}}
 }
 
 /// The `writeConcern` field of a raw command.
@@ -520,27 +513,6 @@ fn history(trades: &[&Trade]) -> RawArrayBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_prefix_range_covers_exactly_one_customer() {
-        let r = prefix_range(&CustomerId::Int(12));
-        let range = r.get_document("_id").unwrap();
-        let (lo, hi) = (
-            range.get_str("$gte").unwrap(),
-            range.get_str("$lt").unwrap(),
-        );
-        for inside in ["12_0000000001", "12_9999999999_000001"] {
-            assert!(lo <= inside && inside < hi, "{inside}");
-        }
-        for outside in [
-            "1_0000000001",
-            "120_0000000001",
-            "12-3_0000000001",
-            "13_0000000001",
-        ] {
-            assert!(!(lo <= outside && outside < hi), "{outside}");
-        }
-    }
 
     #[test]
     fn write_replies_are_parsed_with_indexes() {

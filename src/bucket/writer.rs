@@ -1,7 +1,17 @@
-//! Writes one batch of trades into buckets: plan every customer, send all
-//! fills in one command, then every customer's first new bucket in one
-//! unordered insert and the rest of the chains in one ordered insert, and
-//! re-plan whoever hit a conflict, until every event has an outcome.
+//! Writes one batch of trades into buckets, in rounds until every event has
+//! an outcome. A `Batch` holds what lasts across rounds (outcomes, the
+//! customers still pending, what the database told us); a `Round` holds
+//! one round's plans and which of them held. Each round:
+//!
+//! 1. `load_missing` / `verify_below_watermark`: read what the cache lacks;
+//! 2. `plan`: plan every pending customer, settle what needs no write;
+//! 3. `fill`: every customer's append to its open bucket, one command;
+//! 4. `insert_firsts`: every customer's first new bucket, one unordered
+//!    insert;
+//! 5. `insert_chains`: the rest of the chains, one ordered insert;
+//! 6. `settle`: customers whose writes all held are done; the others are
+//!    reloaded and planned again next round (`learn_stored_keys` first
+//!    finds out where their conflicting keys are).
 //!
 //! The writer keeps each customer's newest bucket in a bounded LRU cache
 //! while we own its partitions, so the steady state costs no reads. The
@@ -10,12 +20,14 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::num::NonZeroUsize;
+use std::ops::Range;
 
 use lru::LruCache;
 use mongodb::bson::RawDocumentBuf;
 
-use super::plan::{id_prefix, plan_customer, BucketHead, CustomerPlan, Event, Known};
-use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
+use super::id::Prefix;
+use super::plan::{plan_customer, BucketHead, CustomerPlan, Event, Fill, Known};
+use super::store::{bucket_document, fill_statement, BucketStore, StatementError, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 use crate::metrics::Metrics;
 
@@ -107,273 +119,60 @@ impl BucketWriter {
         outcomes: &mut [Outcome],
     ) -> Result<WriteStats, StoreError> {
         assert_eq!(events.len(), outcomes.len(), "one outcome per event");
-        let mut by_customer: BTreeMap<CustomerId, Vec<usize>> = BTreeMap::new();
-        for (i, (trade, _)) in events.iter().enumerate() {
-            if !outcomes[i].is_final() {
-                by_customer
-                    .entry(trade.customer.clone())
-                    .or_default()
-                    .push(i);
-            }
-        }
-        let mut stats = WriteStats {
-            customers: by_customer.len(),
-            ..WriteStats::default()
-        };
-        let mut known: HashMap<CustomerId, Known> = HashMap::new();
-        let mut isolate: HashSet<CustomerId> = HashSet::new();
-        let result = self
-            .rounds(
-                events,
-                outcomes,
-                &mut by_customer,
-                &mut known,
-                &mut isolate,
-                &mut stats,
-            )
-            .await;
+        let mut batch = Batch::new(events, outcomes);
+        let result = self.rounds(&mut batch).await;
         if result.is_err() {
             // Whatever we were doing, we no longer know the state of these
             // customers.
-            for c in by_customer.keys() {
+            for c in batch.pending.keys() {
                 self.cache.pop(c);
             }
         }
-        result.map(|()| stats)
+        result.map(|()| batch.stats)
     }
 
-    async fn rounds(
-        &mut self,
-        events: &[(Trade, Source)],
-        outcomes: &mut [Outcome],
-        pending: &mut BTreeMap<CustomerId, Vec<usize>>,
-        known: &mut HashMap<CustomerId, Known>,
-        isolate: &mut HashSet<CustomerId>,
-        stats: &mut WriteStats,
-    ) -> Result<(), StoreError> {
+    /// Plans, writes and re-plans until every event has an outcome. A
+    /// round settles every customer whose writes all held; the others are
+    /// reloaded and planned again in the next round.
+    async fn rounds(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
         let mut stalled = 0;
-        let mut verified: HashSet<usize> = HashSet::new();
-        while !pending.is_empty() {
-            stats.rounds += 1;
-            let settled_before = outcomes.iter().filter(|o| o.is_final()).count();
+        while !batch.pending.is_empty() {
+            batch.stats.rounds += 1;
+            let settled_before = batch.settled();
             if stalled > MAX_STALLED_ROUNDS {
                 return Err(StoreError::Failed(format!(
                     "{} customers still conflicting after {MAX_STALLED_ROUNDS} rounds without progress",
-                    pending.len()
+                    batch.pending.len()
                 )));
             }
-            self.load_missing(pending, stats).await?;
-            self.verify_below_watermark(events, outcomes, pending, &mut verified, known, stats)
-                .await?;
-
-            // Plan every pending customer against its cached head.
-            let nothing_known = Known::default();
-            let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(pending.len());
-            for (customer, idx) in pending.iter() {
-                let head = self.cache.get(customer).cloned().flatten();
-                let mut evs: Vec<Event<'_>> = idx
-                    .iter()
-                    .filter(|&&i| !outcomes[i].is_final())
-                    .map(|&i| Event {
-                        index: i,
-                        trade: &events[i].0,
-                        source: &events[i].1,
-                    })
-                    .collect();
-                // After MongoDB refused one of this customer's writes, go
-                // one event per operation, so only the offending event is
-                // dead-lettered, not the good ones that shared its write.
-                if isolate.contains(customer) {
-                    evs.truncate(1);
-                }
-                let learnt = known.get(customer).unwrap_or(&nothing_known);
-                let plan = plan_customer(customer, head.as_ref(), &evs, learnt, self.capacity);
-                settle(outcomes, &plan.already_applied, Outcome::AlreadyApplied);
-                settle(outcomes, &plan.duplicates, Outcome::Duplicate);
-                for (i, why) in &plan.unplaceable {
-                    settle(
-                        outcomes,
-                        &[*i],
-                        Outcome::DeadLetter(Reject::new(RejectKind::Rejected, why.clone())),
-                    );
-                }
-                plans.push((customer.clone(), plan));
-            }
-            plans.retain(|(customer, plan)| {
-                // Without writes every planned event is settled; an isolated
-                // customer may still have events after the one planned.
-                if !plan.has_writes() && idx_all_final(pending.get(customer), outcomes) {
-                    pending.remove(customer);
-                }
-                plan.has_writes()
-            });
-            if plans.is_empty() {
+            self.load_missing(batch).await?;
+            self.verify_below_watermark(batch).await?;
+            let mut round = self.plan(batch);
+            if round.plans.is_empty() {
+                // Planning alone settled every planned event.
                 continue;
             }
-
-            let mut conflicted: Vec<CustomerId> = Vec::new();
-            let mut stale: Vec<CustomerId> = Vec::new();
-
-            // Phase 1: fills, one unordered command for all customers.
-            let fillers: Vec<usize> = (0..plans.len())
-                .filter(|&p| plans[p].1.fill.is_some())
-                .collect();
-            let mut fill_ok: Vec<bool> = vec![true; plans.len()];
-            if !fillers.is_empty() {
-                let statements: Vec<RawDocumentBuf> = fillers
-                    .iter()
-                    .map(|&p| {
-                        let fill = plans[p].1.fill.as_ref().expect("filtered");
-                        fill_statement(fill, &trades_of(events, &fill.events))
-                    })
-                    .collect();
-                let timer = self.timer("fill");
-                let outcome = self.store.apply_fills(statements).await?;
-                timer.observe_duration();
-                stats.fills += fillers.len();
-                let mut failed: HashSet<usize> = HashSet::new();
-                for e in &outcome.errors {
-                    let p = fillers[e.index];
-                    failed.insert(p);
-                    fill_ok[p] = false;
-                    if e.is_duplicate_key() {
-                        conflicted.push(plans[p].0.clone());
-                    } else {
-                        let fill = plans[p].1.fill.as_ref().expect("filtered");
-                        refused(outcomes, isolate, &plans[p].0, &fill.events, &e.message);
-                        stale.push(plans[p].0.clone());
-                    }
-                }
-                let expected = (fillers.len() - failed.len()) as u64;
-                if outcome.matched != expected {
-                    // Some guard missed and the command does not say which:
-                    // treat every customer of it as stale.
-                    for &p in &fillers {
-                        if fill_ok[p] {
-                            fill_ok[p] = false;
-                            stale.push(plans[p].0.clone());
-                        }
-                    }
-                } else {
-                    for &p in &fillers {
-                        if fill_ok[p] {
-                            let fill = plans[p].1.fill.as_ref().expect("filtered");
-                            settle(outcomes, &fill.events, Outcome::Written);
-                        }
-                    }
-                }
-            }
-
-            // Phase 2: new buckets of customers whose fill (if any) held.
-            // A chain must never get a bucket after a missing one, and one
-            // customer's refused bucket (an upstream duplicate trips the
-            // unique key index) must not hold back everyone after it, which
-            // an ordered insert of everything would: each refusal would
-            // cost a round and a reload of every later customer. So first
-            // every customer's first new bucket in one unordered insert,
-            // then the rest of the chains (only customers with more than
-            // `capacity` new events in the batch), chain by chain in one
-            // ordered insert, for the customers whose first bucket went in.
-            let mut chain_ok = fill_ok.clone();
-            for ordered in [false, true] {
-                let owner: Vec<(usize, usize)> = plans
-                    .iter()
-                    .enumerate()
-                    .filter(|&(p, _)| chain_ok[p])
-                    .flat_map(|(p, (_, plan))| {
-                        let n = plan.new_buckets.len();
-                        let buckets = if ordered { 1..n } else { 0..n.min(1) };
-                        buckets.map(move |b| (p, b))
-                    })
-                    .collect();
-                if owner.is_empty() {
-                    continue;
-                }
-                let docs: Vec<RawDocumentBuf> = owner
-                    .iter()
-                    .map(|&(p, b)| {
-                        let nb = &plans[p].1.new_buckets[b];
-                        bucket_document(nb, &trades_of(events, &nb.events))
-                    })
-                    .collect();
-                let timer = self.timer("insert");
-                let outcome = self.store.insert_buckets(docs, ordered).await?;
-                timer.observe_duration();
-                let mut refused_docs: HashSet<usize> = HashSet::new();
-                for e in &outcome.errors {
-                    refused_docs.insert(e.index);
-                    let (p, b) = owner[e.index];
-                    chain_ok[p] = false;
-                    if e.is_duplicate_key() {
-                        conflicted.push(plans[p].0.clone());
-                    } else {
-                        let nb = &plans[p].1.new_buckets[b];
-                        refused(outcomes, isolate, &plans[p].0, &nb.events, &e.message);
-                        stale.push(plans[p].0.clone());
-                    }
-                }
-                // An ordered insert attempted nothing after its refusal:
-                // those customers are planned again from their true state.
-                let attempted = match (ordered, outcome.errors.first()) {
-                    (true, Some(e)) => e.index + 1,
-                    _ => owner.len(),
-                };
-                for &(q, _) in &owner[attempted..] {
-                    if chain_ok[q] {
-                        chain_ok[q] = false;
-                        stale.push(plans[q].0.clone());
-                    }
-                }
-                for (i, &(p, b)) in owner[..attempted].iter().enumerate() {
-                    if !refused_docs.contains(&i) {
-                        settle(
-                            outcomes,
-                            &plans[p].1.new_buckets[b].events,
-                            Outcome::Written,
-                        );
-                        stats.buckets_created += 1;
-                    }
-                }
-            }
-
-            // Customers whose every operation held are done; the cache now
-            // holds their new newest bucket.
-            let unsettled: HashSet<&CustomerId> = conflicted.iter().chain(stale.iter()).collect();
-            for (p, (customer, plan)) in plans.iter().enumerate() {
-                if chain_ok[p] && !unsettled.contains(customer) {
-                    self.cache.put(customer.clone(), plan.after.clone());
-                    // An isolated customer wrote one event: more may wait.
-                    let done = idx_all_final(pending.get(customer), outcomes);
-                    if done || !isolate.contains(customer) {
-                        pending.remove(customer);
-                    }
-                }
-            }
-            for customer in unsettled {
-                self.cache.pop(customer);
-            }
-            stats.conflicts += conflicted.len();
-            let settled_after = outcomes.iter().filter(|o| o.is_final()).count();
-            stalled = if settled_after > settled_before {
+            self.fill(batch, &mut round).await?;
+            self.insert_firsts(batch, &mut round).await?;
+            self.insert_chains(batch, &mut round).await?;
+            self.settle(batch, &round);
+            // The stall rule: rounds that settle no event in a row.
+            stalled = if batch.settled() > settled_before {
                 0
             } else {
                 stalled + 1
             };
-            if !conflicted.is_empty() {
-                self.learn_stored_keys(events, outcomes, pending, &conflicted, known)
-                    .await?;
+            if !round.conflicted.is_empty() {
+                self.learn_stored_keys(batch, &round.conflicted).await?;
             }
         }
         Ok(())
     }
 
     /// Loads the newest bucket of every pending customer not in the cache.
-    async fn load_missing(
-        &mut self,
-        pending: &BTreeMap<CustomerId, Vec<usize>>,
-        stats: &mut WriteStats,
-    ) -> Result<(), StoreError> {
-        let missing: Vec<CustomerId> = pending
+    async fn load_missing(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
+        let missing: Vec<CustomerId> = batch
+            .pending
             .keys()
             .filter(|c| !self.cache.contains(*c))
             .cloned()
@@ -381,7 +180,7 @@ impl BucketWriter {
         if missing.is_empty() {
             return Ok(());
         }
-        stats.heads_loaded += missing.len();
+        batch.stats.heads_loaded += missing.len();
         let timer = self.timer("load");
         let heads = self.store.load_heads(missing).await?;
         timer.observe_duration();
@@ -401,31 +200,8 @@ impl BucketWriter {
     /// its offset is stale and it is planned like a new event (its key
     /// still guards against a double). Costs one query, and only when a
     /// batch holds redelivered events.
-    async fn verify_below_watermark(
-        &mut self,
-        events: &[(Trade, Source)],
-        outcomes: &[Outcome],
-        pending: &BTreeMap<CustomerId, Vec<usize>>,
-        verified: &mut HashSet<usize>,
-        known: &mut HashMap<CustomerId, Known>,
-        stats: &mut WriteStats,
-    ) -> Result<(), StoreError> {
-        let mut asked: HashMap<&str, Vec<usize>> = HashMap::new();
-        for (customer, idx) in pending {
-            let Some(Some(head)) = self.cache.peek(customer) else {
-                continue;
-            };
-            for &i in idx {
-                let (trade, source) = &events[i];
-                if head.covers(source)
-                    && !outcomes[i].is_final()
-                    && !head.keys.contains(&trade.key)
-                    && verified.insert(i)
-                {
-                    asked.entry(trade.key.as_str()).or_default().push(i);
-                }
-            }
-        }
+    async fn verify_below_watermark(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
+        let asked = self.below_watermark_unverified(batch);
         if asked.is_empty() {
             return Ok(());
         }
@@ -436,7 +212,7 @@ impl BucketWriter {
         let mut stored: HashSet<usize> = HashSet::new();
         for (key, bucket_id) in &found {
             for &i in asked.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
-                if bucket_id.starts_with(&id_prefix(&events[i].0.customer)) {
+                if Prefix::of(&batch.events[i].0.customer).owns(bucket_id) {
                     stored.insert(i);
                 }
             }
@@ -444,8 +220,9 @@ impl BucketWriter {
         let mut unstored = 0;
         for &i in asked.values().flatten() {
             if !stored.contains(&i) {
-                let trade = &events[i].0;
-                known
+                let trade = &batch.events[i].0;
+                batch
+                    .known
                     .entry(trade.customer.clone())
                     .or_default()
                     .not_stored
@@ -461,8 +238,224 @@ impl BucketWriter {
                  writing them as new"
             );
         }
-        stats.below_watermark_unstored += unstored;
+        batch.stats.below_watermark_unstored += unstored;
         Ok(())
+    }
+
+    /// The pending events at or below their cached head's watermark whose
+    /// key the head does not hold and that no earlier round looked up, by
+    /// key. Each event is looked up at most once per batch.
+    fn below_watermark_unverified<'e>(
+        &self,
+        batch: &mut Batch<'e>,
+    ) -> HashMap<&'e str, Vec<usize>> {
+        let events = batch.events;
+        let mut asked: HashMap<&'e str, Vec<usize>> = HashMap::new();
+        for (customer, idx) in &batch.pending {
+            let Some(Some(head)) = self.cache.peek(customer) else {
+                continue;
+            };
+            for &i in idx {
+                let (trade, source) = &events[i];
+                if head.covers(source)
+                    && !batch.outcomes[i].is_final()
+                    && !head.keys.contains(&trade.key)
+                    && batch.verified.insert(i)
+                {
+                    asked.entry(trade.key.as_str()).or_default().push(i);
+                }
+            }
+        }
+        asked
+    }
+
+    /// Plans every pending customer against its cached newest bucket and
+    /// settles at once what needs no write (already applied, duplicates,
+    /// unplaceable). The round holds the plans that do write.
+    fn plan(&mut self, batch: &mut Batch<'_>) -> Round {
+        let nothing_known = Known::default();
+        let events = batch.events;
+        let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(batch.pending.len());
+        for (customer, idx) in &batch.pending {
+            let head = self.cache.get(customer).cloned().flatten();
+            let mut evs: Vec<Event<'_>> = idx
+                .iter()
+                .filter(|&&i| !batch.outcomes[i].is_final())
+                .map(|&i| Event {
+                    index: i,
+                    trade: &events[i].0,
+                    source: &events[i].1,
+                })
+                .collect();
+            // After MongoDB refused one of this customer's writes, go one
+            // event per operation, so only the offending event is
+            // dead-lettered, not the good ones that shared its write.
+            if batch.isolate.contains(customer) {
+                evs.truncate(1);
+            }
+            let learnt = batch.known.get(customer).unwrap_or(&nothing_known);
+            let plan = plan_customer(customer, head.as_ref(), &evs, learnt, self.capacity);
+            record(
+                batch.outcomes,
+                &plan.already_applied,
+                Outcome::AlreadyApplied,
+            );
+            record(batch.outcomes, &plan.duplicates, Outcome::Duplicate);
+            for (i, why) in &plan.unplaceable {
+                let reject = Reject::new(RejectKind::Rejected, why.clone());
+                record(batch.outcomes, &[*i], Outcome::DeadLetter(reject));
+            }
+            plans.push((customer.clone(), plan));
+        }
+        plans.retain(|(customer, plan)| {
+            // Without writes every planned event is settled; an isolated
+            // customer may still have events after the one planned.
+            if !plan.has_writes() && all_final(batch.pending.get(customer), batch.outcomes) {
+                batch.pending.remove(customer);
+            }
+            plan.has_writes()
+        });
+        Round::new(plans)
+    }
+
+    /// Every fill of the round in one unordered `update` command: each
+    /// statement is one customer's, guarded on its bucket's count.
+    async fn fill(&mut self, batch: &mut Batch<'_>, round: &mut Round) -> Result<(), StoreError> {
+        let fillers: Vec<usize> = (0..round.plans.len())
+            .filter(|&p| round.plans[p].1.fill.is_some())
+            .collect();
+        if fillers.is_empty() {
+            return Ok(());
+        }
+        let statements: Vec<RawDocumentBuf> = fillers
+            .iter()
+            .map(|&p| {
+                let fill = round.fill(p);
+                fill_statement(fill, &batch.trades(&fill.events))
+            })
+            .collect();
+        let timer = self.timer("fill");
+        let outcome = self.store.apply_fills(statements).await?;
+        timer.observe_duration();
+        batch.stats.fills += fillers.len();
+        let mut failed: HashSet<usize> = HashSet::new();
+        for e in &outcome.errors {
+            let p = fillers[e.index];
+            failed.insert(p);
+            round.failed(batch, p, Op::Fill, e);
+        }
+        let expected = (fillers.len() - failed.len()) as u64;
+        if outcome.matched != expected {
+            // Some guard missed and the command does not say which: treat
+            // every customer of it as stale.
+            for &p in &fillers {
+                round.mark_stale(p);
+            }
+        } else {
+            for &p in &fillers {
+                if round.held[p] {
+                    record(batch.outcomes, &round.fill(p).events, Outcome::Written);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// New buckets go in two inserts, of customers whose fill (if any)
+    /// held. A chain must never get a bucket after a missing one, and one
+    /// customer's refused bucket (an upstream duplicate trips the unique
+    /// key index) must not hold back everyone after it, which an ordered
+    /// insert of everything would: each refusal would cost a round and a
+    /// reload of every later customer. So first every customer's first new
+    /// bucket, in one unordered insert ...
+    async fn insert_firsts(
+        &mut self,
+        batch: &mut Batch<'_>,
+        round: &mut Round,
+    ) -> Result<(), StoreError> {
+        let firsts = round.new_buckets(|n| 0..n.min(1));
+        self.insert(batch, round, firsts, false).await
+    }
+
+    /// ... then the rest of the chains (only customers with more than
+    /// `capacity` new events in the batch), chain by chain in one ordered
+    /// insert, for the customers whose first bucket went in.
+    async fn insert_chains(
+        &mut self,
+        batch: &mut Batch<'_>,
+        round: &mut Round,
+    ) -> Result<(), StoreError> {
+        let rest = round.new_buckets(|n| 1..n);
+        self.insert(batch, round, rest, true).await
+    }
+
+    /// Inserts the new buckets `docs` names (plan, bucket), `ordered` or
+    /// not, and records what went in.
+    async fn insert(
+        &mut self,
+        batch: &mut Batch<'_>,
+        round: &mut Round,
+        docs: Vec<(usize, usize)>,
+        ordered: bool,
+    ) -> Result<(), StoreError> {
+        if docs.is_empty() {
+            return Ok(());
+        }
+        let raw: Vec<RawDocumentBuf> = docs
+            .iter()
+            .map(|&(p, b)| {
+                let nb = &round.plans[p].1.new_buckets[b];
+                bucket_document(nb, &batch.trades(&nb.events))
+            })
+            .collect();
+        let timer = self.timer("insert");
+        let outcome = self.store.insert_buckets(raw, ordered).await?;
+        timer.observe_duration();
+        let mut refused_docs: HashSet<usize> = HashSet::new();
+        for e in &outcome.errors {
+            refused_docs.insert(e.index);
+            let (p, b) = docs[e.index];
+            round.failed(batch, p, Op::NewBucket(b), e);
+        }
+        // An ordered insert attempted nothing after its refusal: those
+        // customers are planned again from their true state.
+        let attempted = match (ordered, outcome.errors.first()) {
+            (true, Some(e)) => e.index + 1,
+            _ => docs.len(),
+        };
+        for &(p, _) in &docs[attempted..] {
+            round.mark_stale(p);
+        }
+        for (i, &(p, b)) in docs[..attempted].iter().enumerate() {
+            if !refused_docs.contains(&i) {
+                let written = &round.plans[p].1.new_buckets[b].events;
+                record(batch.outcomes, written, Outcome::Written);
+                batch.stats.buckets_created += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Customers whose every operation held are done, and the cache now
+    /// holds their new newest bucket; the others are forgotten, to be
+    /// reloaded next round.
+    fn settle(&mut self, batch: &mut Batch<'_>, round: &Round) {
+        let unsettled: HashSet<&CustomerId> =
+            round.conflicted.iter().chain(round.stale.iter()).collect();
+        for (p, (customer, plan)) in round.plans.iter().enumerate() {
+            if round.held[p] && !unsettled.contains(customer) {
+                self.cache.put(customer.clone(), plan.after.clone());
+                // An isolated customer wrote one event: more may wait.
+                let done = all_final(batch.pending.get(customer), batch.outcomes);
+                if done || !batch.isolate.contains(customer) {
+                    batch.pending.remove(customer);
+                }
+            }
+        }
+        for customer in unsettled {
+            self.cache.pop(customer);
+        }
+        batch.stats.conflicts += round.conflicted.len();
     }
 
     /// After a duplicate-key error: which of the conflicted customers'
@@ -471,16 +464,20 @@ impl BucketWriter {
     /// event is dead-lettered.
     async fn learn_stored_keys(
         &mut self,
-        events: &[(Trade, Source)],
-        outcomes: &mut [Outcome],
-        pending: &BTreeMap<CustomerId, Vec<usize>>,
+        batch: &mut Batch<'_>,
         conflicted: &[CustomerId],
-        known: &mut HashMap<CustomerId, Known>,
     ) -> Result<(), StoreError> {
+        let events = batch.events;
         let mut owner_of: HashMap<&str, Vec<usize>> = HashMap::new();
         for customer in conflicted {
-            for &i in pending.get(customer).map(Vec::as_slice).unwrap_or(&[]) {
-                if !outcomes[i].is_final() || outcomes[i] == Outcome::Written {
+            for &i in batch
+                .pending
+                .get(customer)
+                .map(Vec::as_slice)
+                .unwrap_or(&[])
+            {
+                let outcome = &batch.outcomes[i];
+                if !outcome.is_final() || *outcome == Outcome::Written {
                     owner_of
                         .entry(events[i].0.key.as_str())
                         .or_default()
@@ -495,14 +492,15 @@ impl BucketWriter {
         for (key, bucket_id) in found {
             for &i in owner_of.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
                 let customer = &events[i].0.customer;
-                if bucket_id.starts_with(&id_prefix(customer)) {
-                    known
+                if Prefix::of(customer).owns(&bucket_id) {
+                    batch
+                        .known
                         .entry(customer.clone())
                         .or_default()
                         .elsewhere
                         .insert(key.clone());
-                } else if !outcomes[i].is_final() {
-                    outcomes[i] = Outcome::DeadLetter(Reject::new(
+                } else if !batch.outcomes[i].is_final() {
+                    batch.outcomes[i] = Outcome::DeadLetter(Reject::new(
                         RejectKind::TradeIdConflict,
                         format!(
                             "trade {key} is already stored for another customer in {bucket_id}"
@@ -515,13 +513,155 @@ impl BucketWriter {
     }
 }
 
-fn trades_of<'a>(events: &'a [(Trade, Source)], idx: &[usize]) -> Vec<&'a Trade> {
-    idx.iter().map(|&i| &events[i].0).collect()
+/// One `write` call: the events, their outcomes, and what the rounds learn
+/// about them along the way.
+struct Batch<'a> {
+    events: &'a [(Trade, Source)],
+    /// One per event; `Pending` until settled.
+    outcomes: &'a mut [Outcome],
+    /// Customers not yet done, with their events' indices in stream order.
+    /// A customer leaves when all its writes held (or it needed none).
+    pending: BTreeMap<CustomerId, Vec<usize>>,
+    /// Keys the database showed us beyond each customer's newest bucket.
+    known: HashMap<CustomerId, Known>,
+    /// Customers MongoDB refused a write of several events for: from now on
+    /// planned one event per write, to find the culprit.
+    isolate: HashSet<CustomerId>,
+    /// Events already looked up by `verify_below_watermark`.
+    verified: HashSet<usize>,
+    stats: WriteStats,
+}
+
+impl<'a> Batch<'a> {
+    /// Every customer with an event not yet settled (a retried batch keeps
+    /// the outcomes of the failed call).
+    fn new(events: &'a [(Trade, Source)], outcomes: &'a mut [Outcome]) -> Self {
+        let mut pending: BTreeMap<CustomerId, Vec<usize>> = BTreeMap::new();
+        for (i, (trade, _)) in events.iter().enumerate() {
+            if !outcomes[i].is_final() {
+                pending.entry(trade.customer.clone()).or_default().push(i);
+            }
+        }
+        let stats = WriteStats {
+            customers: pending.len(),
+            ..WriteStats::default()
+        };
+        Batch {
+            events,
+            outcomes,
+            pending,
+            known: HashMap::new(),
+            isolate: HashSet::new(),
+            verified: HashSet::new(),
+            stats,
+        }
+    }
+
+    /// How many events have an outcome: the stall rule's measure of progress.
+    fn settled(&self) -> usize {
+        self.outcomes.iter().filter(|o| o.is_final()).count()
+    }
+
+    fn trades(&self, idx: &[usize]) -> Vec<&'a Trade> {
+        idx.iter().map(|&i| &self.events[i].0).collect()
+    }
+
+    /// MongoDB refused a write permanently. A single event is the culprit
+    /// and is dead-lettered; with several, the customer switches to one
+    /// event per write to find which.
+    fn refused(&mut self, customer: &CustomerId, idx: &[usize], message: &str) {
+        if idx.len() == 1 {
+            let reject = Reject::new(
+                RejectKind::Rejected,
+                format!("MongoDB refused the bucket write: {message}"),
+            );
+            record(self.outcomes, idx, Outcome::DeadLetter(reject));
+        } else {
+            self.isolate.insert(customer.clone());
+        }
+    }
+}
+
+/// One operation of a customer's plan.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Fill,
+    /// The plan's new bucket at this position in its chain.
+    NewBucket(usize),
+}
+
+/// One round: the plans with writes, and what the database said of them.
+struct Round {
+    plans: Vec<(CustomerId, CustomerPlan)>,
+    /// Per plan: every operation so far went in. Once false, none of the
+    /// plan's later operations is sent (a chain never skips a bucket).
+    held: Vec<bool>,
+    /// Hit a duplicate key: reloaded, and their stored keys looked up.
+    conflicted: Vec<CustomerId>,
+    /// Our view of them is wrong or unknown (a guard missed, a refusal, a
+    /// write not attempted): reloaded.
+    stale: Vec<CustomerId>,
+}
+
+impl Round {
+    fn new(plans: Vec<(CustomerId, CustomerPlan)>) -> Self {
+        Round {
+            held: vec![true; plans.len()],
+            plans,
+            conflicted: Vec::new(),
+            stale: Vec::new(),
+        }
+    }
+
+    fn fill(&self, p: usize) -> &Fill {
+        self.plans[p].1.fill.as_ref().expect("a plan with a fill")
+    }
+
+    /// The batch indices an operation writes.
+    fn events(&self, p: usize, op: Op) -> &[usize] {
+        match op {
+            Op::Fill => &self.fill(p).events,
+            Op::NewBucket(b) => &self.plans[p].1.new_buckets[b].events,
+        }
+    }
+
+    /// `(plan, bucket)` for the new buckets `which(n)` selects of each plan
+    /// of `n` new buckets whose operations have all held so far.
+    fn new_buckets(&self, which: impl Fn(usize) -> Range<usize>) -> Vec<(usize, usize)> {
+        self.plans
+            .iter()
+            .enumerate()
+            .filter(|&(p, _)| self.held[p])
+            .flat_map(|(p, (_, plan))| which(plan.new_buckets.len()).map(move |b| (p, b)))
+            .collect()
+    }
+
+    /// MongoDB refused `op` of plan `p`. A duplicate key means another
+    /// write got there first: a conflict, settled from the true state. Any
+    /// other refusal is permanent (see [`Batch::refused`]).
+    fn failed(&mut self, batch: &mut Batch<'_>, p: usize, op: Op, e: &StatementError) {
+        self.held[p] = false;
+        if e.is_duplicate_key() {
+            self.conflicted.push(self.plans[p].0.clone());
+        } else {
+            batch.refused(&self.plans[p].0, self.events(p, op), &e.message);
+            self.stale.push(self.plans[p].0.clone());
+        }
+    }
+
+    /// Plan `p` is not known to have gone in: if it had held so far, it is
+    /// stale (a plan that already failed is accounted for).
+    fn mark_stale(&mut self, p: usize) {
+        if self.held[p] {
+            self.held[p] = false;
+            self.stale.push(self.plans[p].0.clone());
+        }
+    }
 }
 
 /// Records a final outcome unless one is already known (a write we saw
 /// succeed stays `Written` when a later round finds it below the watermark).
-fn settle(outcomes: &mut [Outcome], idx: &[usize], outcome: Outcome) {
+fn record(outcomes: &mut [Outcome], idx: &[usize], outcome: Outcome) {
     for &i in idx {
         if !outcomes[i].is_final() {
             outcomes[i] = outcome.clone();
@@ -529,30 +669,6 @@ fn settle(outcomes: &mut [Outcome], idx: &[usize], outcome: Outcome) {
     }
 }
 
-fn idx_all_final(idx: Option<&Vec<usize>>, outcomes: &[Outcome]) -> bool {
+fn all_final(idx: Option<&Vec<usize>>, outcomes: &[Outcome]) -> bool {
     idx.is_none_or(|idx| idx.iter().all(|&i| outcomes[i].is_final()))
-}
-
-/// MongoDB refused a write permanently. A single event is the culprit and is
-/// dead-lettered; with several, the customer switches to one event per
-/// write to find which.
-fn refused(
-    outcomes: &mut [Outcome],
-    isolate: &mut HashSet<CustomerId>,
-    customer: &CustomerId,
-    idx: &[usize],
-    message: &str,
-) {
-    if idx.len() == 1 {
-        settle(
-            outcomes,
-            idx,
-            Outcome::DeadLetter(Reject::new(
-                RejectKind::Rejected,
-                format!("MongoDB refused the bucket write: {message}"),
-            )),
-        );
-    } else {
-        isolate.insert(customer.clone());
-    }
 }

@@ -37,53 +37,6 @@ fn src(partition: i32, offset: i64) -> Source {
 }
 
 #[test]
-fn ids_are_ten_digit_seconds_and_parse_back() {
-    assert_eq!(format_bucket_id("123_", 1_698_335_223, 0), "123_1698335223");
-    assert_eq!(format_bucket_id("7_", 5, 0), "7_0000000005");
-    assert_eq!(format_bucket_id("7_", 5, 3), "7_0000000005_000003");
-    assert_eq!(parse_bucket_id("7_", "7_0000000005_000003"), Some((5, 3)));
-    assert_eq!(
-        parse_bucket_id("123_", "123_1698335223"),
-        Some((1_698_335_223, 0))
-    );
-    assert_eq!(parse_bucket_id("123_", "123_99"), None);
-    assert_eq!(parse_bucket_id("123_", "1234_1698335223"), None);
-    assert_eq!(parse_bucket_id("123_", "123_1698335223_1"), None);
-}
-
-#[test]
-fn next_position_always_sorts_after_the_previous_bucket() {
-    assert_eq!(next_bucket_position(None, 10), Some((10, 0)));
-    assert_eq!(next_bucket_position(Some((10, 0)), 11), Some((11, 0)));
-    assert_eq!(next_bucket_position(Some((10, 0)), 10), Some((10, 1)));
-    assert_eq!(
-        next_bucket_position(Some((10, 4)), 3),
-        Some((10, 5)),
-        "late data"
-    );
-    assert_eq!(
-        next_bucket_position(Some((10, MAX_SUFFIX)), 3),
-        Some((11, 0))
-    );
-    assert_eq!(
-        next_bucket_position(Some((MAX_EPOCH_SECONDS, MAX_SUFFIX)), 3),
-        None
-    );
-}
-
-proptest! {
-    #[test]
-    fn id_string_order_is_position_order(
-        a in (0i64..=MAX_EPOCH_SECONDS, 0u32..=MAX_SUFFIX),
-        b in (0i64..=MAX_EPOCH_SECONDS, 0u32..=MAX_SUFFIX),
-    ) {
-        let ia = format_bucket_id("c-1_", a.0, a.1);
-        let ib = format_bucket_id("c-1_", b.0, b.1);
-        prop_assert_eq!(ia.cmp(&ib), a.cmp(&b));
-    }
-}
-
-#[test]
 fn the_manual_example_fills_one_bucket_per_customer() {
     // The manual's flat trades, then its MSFT update.
     let trades = [
@@ -256,11 +209,11 @@ struct Model {
 
 impl Model {
     fn head(&self, customer: &CustomerId) -> Option<BucketHead> {
-        let prefix = id_prefix(customer);
+        let prefix = Prefix::of(customer);
         let (id, b) = self
             .docs
-            .range(prefix.clone()..)
-            .take_while(|(k, _)| k.starts_with(&prefix))
+            .range(prefix.as_str().to_string()..)
+            .take_while(|(k, _)| prefix.owns(k))
             .last()?;
         Some(BucketHead {
             id: id.clone(),
@@ -441,12 +394,12 @@ fn stream_strategy() -> impl Strategy<Value = Vec<(Trade, Source)>> {
 fn check_invariants(model: &Model, capacity: u32) {
     let mut by_prefix: BTreeMap<String, Vec<(&String, &ModelBucket)>> = BTreeMap::new();
     for (id, b) in &model.docs {
-        let prefix = id.split('_').next().unwrap().to_string();
+        let prefix = Prefix::of_id(id).unwrap().as_str().to_string();
         by_prefix.entry(prefix).or_default().push((id, b));
     }
     let mut all_keys = HashSet::new();
     for (prefix, buckets) in by_prefix {
-        let mut prev = format!("{prefix}_");
+        let mut prev = prefix;
         for (i, (id, b)) in buckets.iter().enumerate() {
             assert_eq!(b.prev, prev, "chain broken at {id}");
             assert!(b.history.len() as u32 <= capacity);
