@@ -3,10 +3,64 @@
 //! operations, topics and partitions, never customer ids). Each pipeline
 //! owns its registry, so tests running several in one process stay apart.
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+/// A metric's name and help text.
+type Def = (&'static str, &'static str);
+
+const EVENTS_CONSUMED_TOTAL: Def = (
+    "tradebucket_events_consumed_total",
+    "Kafka messages read from the source topics.",
+);
+const EVENTS_WRITTEN_TOTAL: Def = (
+    "tradebucket_events_written_total",
+    "Trades appended to bucket documents (durable at the configured write concern).",
+);
+const BUCKETS_CREATED_TOTAL: Def = (
+    "tradebucket_buckets_created_total",
+    "New bucket documents inserted.",
+);
+const BUCKET_UPDATES_TOTAL: Def = (
+    "tradebucket_bucket_updates_total",
+    "Guarded appends sent to open buckets.",
+);
+const BUCKET_CONFLICTS_TOTAL: Def = (
+    "tradebucket_bucket_conflicts_total",
+    "Writes that met another writer's change (duplicate key) and were re-planned.",
+);
+const IN_FLIGHT_EVENTS: Def = (
+    "tradebucket_in_flight_events",
+    "Events consumed whose offsets are not yet committable.",
+);
+const ASSIGNED_PARTITIONS: Def = (
+    "tradebucket_assigned_partitions",
+    "Partitions currently assigned to this instance.",
+);
+const READY: Def = (
+    "tradebucket_ready",
+    "1 when the worker is ready (subscribed, MongoDB reachable, not draining), else 0.",
+);
+const EVENTS_SKIPPED_TOTAL: Def = ("tradebucket_events_skipped_total", "Events not written because they were already stored: redelivered (already_applied) or an upstream duplicate trade id (duplicate).");
+const EVENTS_DEAD_LETTERED_TOTAL: Def = (
+    "tradebucket_events_dead_lettered_total",
+    "Events sent to the dead-letter topic, by reason.",
+);
+const RETRIES_TOTAL: Def = (
+    "tradebucket_retries_total",
+    "Retries after transient failures, by what was retried.",
+);
+const OFFSET_COMMITS_TOTAL: Def = (
+    "tradebucket_offset_commits_total",
+    "Kafka offset commits, by result.",
+);
+const REBALANCES_TOTAL: Def = (
+    "tradebucket_rebalances_total",
+    "Consumer-group rebalance events, by kind.",
+);
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -41,61 +95,28 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let registry = Registry::new();
+        let r = Registry::new();
         let m = Metrics {
-            events_consumed: IntCounter::new(
-                "tradebucket_events_consumed_total",
-                "Kafka messages read from the source topics.",
-            )
-            .expect("valid metric"),
-            events_written: IntCounter::new(
-                "tradebucket_events_written_total",
-                "Trades appended to bucket documents (durable at the configured write concern).",
-            )
-            .expect("valid metric"),
-            events_skipped: IntCounterVec::new(
-                Opts::new(
-                    "tradebucket_events_skipped_total",
-                    "Events not written because they were already stored: redelivered (already_applied) or an upstream duplicate trade id (duplicate).",
-                ),
-                &["reason"],
-            )
-            .expect("valid metric"),
-            events_dead_lettered: IntCounterVec::new(
-                Opts::new(
-                    "tradebucket_events_dead_lettered_total",
-                    "Events sent to the dead-letter topic, by reason.",
-                ),
-                &["reason"],
-            )
-            .expect("valid metric"),
-            buckets_created: IntCounter::new(
-                "tradebucket_buckets_created_total",
-                "New bucket documents inserted.",
-            )
-            .expect("valid metric"),
-            bucket_updates: IntCounter::new(
-                "tradebucket_bucket_updates_total",
-                "Guarded appends sent to open buckets.",
-            )
-            .expect("valid metric"),
-            bucket_conflicts: IntCounter::new(
-                "tradebucket_bucket_conflicts_total",
-                "Writes that met another writer's change (duplicate key) and were re-planned.",
-            )
-            .expect("valid metric"),
-            batch_events: Histogram::with_opts(
+            events_consumed: counter(&r, EVENTS_CONSUMED_TOTAL),
+            events_written: counter(&r, EVENTS_WRITTEN_TOTAL),
+            events_skipped: counter_vec(&r, EVENTS_SKIPPED_TOTAL, "reason"),
+            events_dead_lettered: counter_vec(&r, EVENTS_DEAD_LETTERED_TOTAL, "reason"),
+            buckets_created: counter(&r, BUCKETS_CREATED_TOTAL),
+            bucket_updates: counter(&r, BUCKET_UPDATES_TOTAL),
+            bucket_conflicts: counter(&r, BUCKET_CONFLICTS_TOTAL),
+            batch_events: histogram(
+                &r,
                 HistogramOpts::new("tradebucket_batch_events", "Events per batch.").buckets(
                     vec![1.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0],
                 ),
-            )
-            .expect("valid metric"),
-            batch_customers: Histogram::with_opts(
+            ),
+            batch_customers: histogram(
+                &r,
                 HistogramOpts::new("tradebucket_batch_customers", "Distinct customers per batch.")
                     .buckets(vec![1.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 5000.0, 10000.0]),
-            )
-            .expect("valid metric"),
-            mongodb_write_duration: HistogramVec::new(
+            ),
+            mongodb_write_duration: histogram_vec(
+                &r,
                 HistogramOpts::new(
                     "tradebucket_mongodb_request_duration_seconds",
                     "Duration of MongoDB requests made by the writer, by operation: load (newest buckets), find_keys (where trade keys are stored), fill (appends), insert (new buckets).",
@@ -103,42 +124,23 @@ impl Metrics {
                 .buckets(vec![
                     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                 ]),
-                &["operation"],
-            )
-            .expect("valid metric"),
-            retries: IntCounterVec::new(
-                Opts::new(
-                    "tradebucket_retries_total",
-                    "Retries after transient failures, by what was retried.",
+                "operation",
+            ),
+            retries: counter_vec(&r, RETRIES_TOTAL, "kind"),
+            offset_commits: counter_vec(&r, OFFSET_COMMITS_TOTAL, "result"),
+            rebalances: counter_vec(&r, REBALANCES_TOTAL, "kind"),
+            consumer_lag: register(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "tradebucket_consumer_lag_messages",
+                        "Messages between the partition's end and the group's committed offset.",
+                    ),
+                    &["topic", "partition"],
                 ),
-                &["kind"],
-            )
-            .expect("valid metric"),
-            offset_commits: IntCounterVec::new(
-                Opts::new(
-                    "tradebucket_offset_commits_total",
-                    "Kafka offset commits, by result.",
-                ),
-                &["result"],
-            )
-            .expect("valid metric"),
-            rebalances: IntCounterVec::new(
-                Opts::new(
-                    "tradebucket_rebalances_total",
-                    "Consumer-group rebalance events, by kind.",
-                ),
-                &["kind"],
-            )
-            .expect("valid metric"),
-            consumer_lag: IntGaugeVec::new(
-                Opts::new(
-                    "tradebucket_consumer_lag_messages",
-                    "Messages between the partition's end and the group's committed offset.",
-                ),
-                &["topic", "partition"],
-            )
-            .expect("valid metric"),
-            end_to_end_delay: Histogram::with_opts(
+            ),
+            end_to_end_delay: histogram(
+                &r,
                 HistogramOpts::new(
                     "tradebucket_end_to_end_delay_seconds",
                     "From the Kafka message timestamp to its offset being committed.",
@@ -146,75 +148,45 @@ impl Metrics {
                 .buckets(vec![
                     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                 ]),
-            )
-            .expect("valid metric"),
-            in_flight_events: IntGauge::new(
-                "tradebucket_in_flight_events",
-                "Events consumed whose offsets are not yet committable.",
-            )
-            .expect("valid metric"),
-            assigned_partitions: IntGauge::new(
-                "tradebucket_assigned_partitions",
-                "Partitions currently assigned to this instance.",
-            )
-            .expect("valid metric"),
-            ready: IntGauge::new(
-                "tradebucket_ready",
-                "1 when the worker is ready (subscribed, MongoDB reachable, not draining), else 0.",
-            )
-            .expect("valid metric"),
-            registry,
-        };
-        let build_info = IntGaugeVec::new(
-            Opts::new(
-                "tradebucket_build_info",
-                "Always 1; labels carry the version.",
             ),
-            &["version"],
-        )
-        .expect("valid metric");
+            in_flight_events: gauge(&r, IN_FLIGHT_EVENTS),
+            assigned_partitions: gauge(&r, ASSIGNED_PARTITIONS),
+            ready: gauge(&r, READY),
+            registry: r,
+        };
+        let build_info: IntGaugeVec = register(
+            &m.registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "tradebucket_build_info",
+                    "Always 1; labels carry the version.",
+                ),
+                &["version"],
+            ),
+        );
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
-        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
-            Box::new(m.events_consumed.clone()),
-            Box::new(m.events_written.clone()),
-            Box::new(m.events_skipped.clone()),
-            Box::new(m.events_dead_lettered.clone()),
-            Box::new(m.buckets_created.clone()),
-            Box::new(m.bucket_updates.clone()),
-            Box::new(m.bucket_conflicts.clone()),
-            Box::new(m.batch_events.clone()),
-            Box::new(m.batch_customers.clone()),
-            Box::new(m.mongodb_write_duration.clone()),
-            Box::new(m.retries.clone()),
-            Box::new(m.offset_commits.clone()),
-            Box::new(m.rebalances.clone()),
-            Box::new(m.consumer_lag.clone()),
-            Box::new(m.end_to_end_delay.clone()),
-            Box::new(m.in_flight_events.clone()),
-            Box::new(m.assigned_partitions.clone()),
-            Box::new(m.ready.clone()),
-            Box::new(build_info),
-        ];
-        for c in collectors {
-            m.registry.register(c).expect("metric names are unique");
-        }
-        // Pre-create the label values operators alert on, so the series
-        // exist (at 0) before the first incident.
+        m.precreate_series();
+        m
+    }
+
+    /// Pre-creates the label values operators alert on, so the series
+    /// exist (at 0) before the first incident.
+    fn precreate_series(&self) {
         for kind in crate::event::RejectKind::ALL {
-            m.events_dead_lettered.with_label_values(&[kind.as_str()]);
+            self.events_dead_lettered
+                .with_label_values(&[kind.as_str()]);
         }
         for reason in ["already_applied", "duplicate"] {
-            m.events_skipped.with_label_values(&[reason]);
+            self.events_skipped.with_label_values(&[reason]);
         }
         for result in ["ok", "error"] {
-            m.offset_commits.with_label_values(&[result]);
+            self.offset_commits.with_label_values(&[result]);
         }
         for kind in ["mongodb", "dead_letter", "commit"] {
-            m.retries.with_label_values(&[kind]);
+            self.retries.with_label_values(&[kind]);
         }
-        m
     }
 
     /// The Prometheus text exposition of every metric.
@@ -225,6 +197,36 @@ impl Metrics {
             .expect("encoding to a Vec cannot fail");
         String::from_utf8(buf).expect("the text format is UTF-8")
     }
+}
+
+/// Registers a metric built from constant names and help texts: both can
+/// only fail on a programming error (an invalid or repeated name), which
+/// every test that builds `Metrics` would show.
+fn register<C: Collector + Clone + 'static>(r: &Registry, built: prometheus::Result<C>) -> C {
+    let c = built.expect("valid metric");
+    r.register(Box::new(c.clone()))
+        .expect("metric names are unique");
+    c
+}
+
+fn counter(r: &Registry, (name, help): Def) -> IntCounter {
+    register(r, IntCounter::new(name, help))
+}
+
+fn counter_vec(r: &Registry, (name, help): Def, label: &str) -> IntCounterVec {
+    register(r, IntCounterVec::new(Opts::new(name, help), &[label]))
+}
+
+fn gauge(r: &Registry, (name, help): Def) -> IntGauge {
+    register(r, IntGauge::new(name, help))
+}
+
+fn histogram(r: &Registry, opts: HistogramOpts) -> Histogram {
+    register(r, Histogram::with_opts(opts))
+}
+
+fn histogram_vec(r: &Registry, opts: HistogramOpts, label: &str) -> HistogramVec {
+    register(r, HistogramVec::new(opts, &[label]))
 }
 
 impl Default for Metrics {
