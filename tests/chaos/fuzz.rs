@@ -93,21 +93,14 @@ fn name() -> impl Strategy<Value = String> {
     ]
 }
 
-/// A valid event's fields, as (name, raw JSON).
+/// A valid event's fields, as (name, raw JSON): the README's example
+/// trade from the test kit.
 fn base() -> Vec<(String, String)> {
-    [
-        ("tradeId", r#""T-1""#),
-        ("customerId", "123"),
-        ("type", r#""buy""#),
-        ("ticker", r#""MDB""#),
-        ("qty", "419"),
-        ("price", r#""61.25""#),
-        ("currency", r#""USD""#),
-        ("date", r#""2023-10-26T15:47:03.434Z""#),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect()
+    testkit::trade("T-1")
+        .fields()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 #[derive(Debug, Clone)]

@@ -4,12 +4,14 @@
 use std::process::Command;
 use std::time::Duration;
 
-use crate::helpers::*;
+use testkit::*;
+
+use crate::bin;
 use crate::pipeline::stream;
 
 /// Runs `tradebucket check-config` with only the given environment.
 fn check_config(args: &[&str], vars: &[(&str, &str)]) -> (Option<i32>, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tradebucket"))
+    let out = Command::new(bin())
         .args(args)
         .arg("check-config")
         .env_clear()
@@ -123,6 +125,61 @@ fn check_config_exits_64_naming_the_bad_field() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Runs `tradebucket audit` (text) with the given environment: exit code
+/// and stdout.
+fn audit_text(vars: &std::collections::BTreeMap<String, String>) -> (Option<i32>, String) {
+    let out = Command::new(bin())
+        .arg("audit")
+        .envs(vars)
+        .output()
+        .expect("run tradebucket audit");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// `audit --json` is the text report, machine-readable (what the harnesses
+/// and scripts/demo read): same counts, same violations, same exit code,
+/// for a clean database and for one audited with too small a capacity.
+#[tokio::test]
+async fn audit_json_matches_the_text_report() {
+    let env = TestEnv::new("audit-json", 2).await;
+    let events = stream(91, 300, 12);
+    env.produce_json(&events).await;
+    let worker = Worker::spawn(env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "4")]));
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    worker.stop().await;
+    let customers: std::collections::HashSet<String> =
+        events.iter().map(|e| e["customerId"].to_string()).collect();
+
+    // (capacity the audit assumes, exit code expected)
+    for (capacity, exit) in [("4", 0), ("2", 1)] {
+        let vars = env.vars(&[("TRADEBUCKET__BUCKETS__CAPACITY", capacity)]);
+        let (text_code, text) = audit_text(&vars);
+        let (json_code, report) = audit_json(bin(), &vars);
+        assert_eq!(text_code, Some(exit), "capacity {capacity}: {text}");
+        assert_eq!(json_code, text_code, "capacity {capacity}");
+        assert_eq!(report.trades, 300);
+        assert_eq!(report.customers, customers.len() as u64);
+        let summary = format!(
+            "audit: {} customers, {} buckets, {} trades, {} violations",
+            report.customers,
+            report.buckets,
+            report.trades,
+            report.violations.len()
+        );
+        assert_eq!(text.lines().next(), Some(summary.as_str()));
+        let listed: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("violation: "))
+            .collect();
+        assert_eq!(listed, report.violations, "capacity {capacity}");
+        assert_eq!(report.violations.is_empty(), exit == 0);
+    }
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn readyz_follows_mongodb_and_healthz_stays_up() {
     let mut mongo = PrivateMongo::start().await;
@@ -132,7 +189,11 @@ async fn readyz_follows_mongodb_and_healthz_stays_up() {
     };
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
-    let worker = WorkerProcess::start(&env.vars(&[("TRADEBUCKET__HTTP__LISTEN", &listen)]));
+    let worker = WorkerProcess::start(
+        bin(),
+        &env.vars(&[("TRADEBUCKET__HTTP__LISTEN", &listen)]),
+        Log::Quiet,
+    );
     let readyz = format!("http://{listen}/readyz");
     let healthz = format!("http://{listen}/healthz");
     let metrics = format!("http://{listen}/metrics");
@@ -182,16 +243,8 @@ async fn readyz_follows_mongodb_and_healthz_stays_up() {
     env.cleanup().await;
 }
 
-#[tokio::test]
-async fn prometheus_sees_every_written_event_and_the_lag_drain() {
-    let env = TestEnv::new("prometheus", 3).await;
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let prometheus = Prometheus::start(&listen).await;
-    // A backlog first, and small batches so the worker needs some seconds
-    // for it, with statistics every 200 ms: Prometheus (scraping every
-    // second) sees the lag high and then drain to 0.
-    let total = 20_000u64;
+/// `total` trades over 500 customers from the product's generator.
+async fn produce_generated(env: &TestEnv, total: u64) {
     let opts = tradebucket::cli::ProduceOptions {
         topic: Some(env.topic.clone()),
         count: total,
@@ -207,11 +260,25 @@ async fn prometheus_sees_every_written_event_and_the_lag_drain() {
         .await
         .expect("produce");
     assert_eq!(sent, total);
-    let worker = WorkerProcess::start(&env.vars(&[
+}
+
+#[tokio::test]
+async fn prometheus_sees_every_written_event_and_the_lag_drain() {
+    let env = TestEnv::new("prometheus", 3).await;
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let prometheus = Prometheus::start(&listen).await;
+    // A backlog first, and small batches so the worker needs some seconds
+    // for it, with statistics every 200 ms: Prometheus (scraping every
+    // second) sees the lag high and then drain to 0.
+    let total = 20_000u64;
+    produce_generated(&env, total).await;
+    let vars = env.vars(&[
         ("TRADEBUCKET__HTTP__LISTEN", &listen),
         ("TRADEBUCKET__KAFKA__OPTIONS__STATISTICS_INTERVAL_MS", "200"),
         ("TRADEBUCKET__BATCH__MAX_EVENTS", "50"),
-    ]));
+    ]);
+    let worker = WorkerProcess::start(bin(), &vars, Log::Quiet);
 
     eventually(
         "Prometheus scrapes the worker",
