@@ -28,13 +28,16 @@ RUN apt-get update \
 WORKDIR /build
 
 # Dependencies first, with stub sources: this layer (librdkafka and several
-# hundred crates, the slow part) is rebuilt only when Cargo.toml, Cargo.lock
-# or benches/ change, not on every source edit. benches/ is here because
+# hundred crates, the slow part) is rebuilt only when Cargo.toml, Cargo.lock,
+# benches/ or testkit/ change, not on every source edit. benches/ is here because
 # Cargo.toml declares a [[bench]] target, and cargo refuses a manifest whose
 # declared targets have no file (any [[test]] or [[example]] declared later
-# needs the same).
+# needs the same). testkit/ likewise: it is a workspace member and a
+# dev-dependency, and cargo loads every member's manifest even for a build
+# that never compiles it.
 COPY Cargo.toml Cargo.lock ./
 COPY benches ./benches
+COPY testkit ./testkit
 RUN mkdir src \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \

@@ -15,8 +15,7 @@
 //! and renders `docs/benchmarks.md` and its chart from the JSON it writes.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -26,8 +25,10 @@ use mongodb::options::{Acknowledgment, WriteConcern};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use secrecy::ExposeSecret;
 use serde_json::json;
 
+use testkit::{free_port, http_get, poll_until, Log, WorkerProcess};
 use tradebucket::bucket::plan::{self, Event};
 use tradebucket::bucket::store::{bucket_document, BucketStore};
 use tradebucket::cli::{self, ProduceOptions};
@@ -84,78 +85,40 @@ struct WorkerRun {
     peak_rss_mib: f64,
 }
 
+/// The release binary `cargo bench` built alongside this program.
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tradebucket"))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     std::fs::create_dir_all(&args.out)?;
-    let base = Settings::load(None)?;
     let run_id = chrono::Utc::now().format("%Y%m%d%H%M%S").to_string();
-    let topic = format!("bench-{run_id}");
-    let db = format!("bench_{run_id}");
-    let settings = with_env(&base, &topic, &db, &format!("bench-{run_id}-1"), 0);
-    eprintln!("bench: topic {topic}, database {db}");
+    let target = Target::new(
+        &testkit::settings::from_process_env(),
+        &format!("bench-{run_id}"),
+        &format!("bench_{run_id}"),
+        &format!("bench-{run_id}-1"),
+        0,
+    );
+    eprintln!("bench: topic {}, database {}", target.topic, target.db);
 
     // 1. The event set.
+    let settings = target.settings();
     cli::init(&settings, Some(args.partitions)).await?;
-    let produce = |first_id: u64, count: u64, rate: u64, topic: &str| ProduceOptions {
-        topic: Some(topic.to_string()),
-        count,
-        customers: args.customers,
-        skewed: false,
-        tickers: 8,
-        rate,
-        seed: 1,
-        no_keys: false,
-        first_id,
-    };
-    let (_, _, secs) = cli::produce(&settings, &produce(0, args.events, 0, &topic), false).await?;
+    let (_, _, secs) = cli::produce(
+        &settings,
+        &produce_options(&args, 0, args.events, 0, &target.topic),
+        false,
+    )
+    .await?;
     let produce_rate = args.events as f64 / secs;
     eprintln!("bench: produced {} events in {secs:.1} s", args.events);
 
-    // 2. Kafka read ceiling (keeping the messages for the offline plan).
-    let (kafka_secs, messages) = read_topic(&settings, &topic, args.partitions, args.events)?;
-    let kafka_rate = args.events as f64 / kafka_secs;
-    eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s");
-
-    // 3. Database ceiling.
-    let (db_secs, buckets) =
-        database_ceiling(&settings, &messages, args.ceiling_concurrency).await?;
-    let db_rate = args.events as f64 / db_secs;
-    eprintln!("bench: database ceiling {db_rate:.0} events/s ({buckets} documents)");
-
-    // 4. Naive baseline.
-    let naive_rate = naive_baseline(&settings, &messages, args.naive_events).await?;
-    eprintln!("bench: naive baseline {naive_rate:.0} events/s");
-    drop(messages);
-
-    // 5. tradebucket: first set, then (same group, same collection) a second.
+    let ceilings = ceilings(&args, &target).await?;
     let mut samples = Vec::new();
-    let first = run_worker(&settings, args.events, "first", &mut samples).await?;
-    eprintln!(
-        "bench: tradebucket {:.0} events/s, peak RSS {:.1} MiB",
-        first.events_per_second, first.peak_rss_mib
-    );
-    let second = if args.no_second_set {
-        None
-    } else {
-        cli::produce(
-            &settings,
-            &produce(args.events, args.events, 0, &topic),
-            false,
-        )
-        .await?;
-        let run = run_worker(&settings, 2 * args.events, "second", &mut samples).await?;
-        let run = WorkerRun {
-            events: args.events,
-            events_per_second: args.events as f64 / run.seconds,
-            ..run
-        };
-        eprintln!(
-            "bench: second set {:.0} events/s, peak RSS {:.1} MiB",
-            run.events_per_second, run.peak_rss_mib
-        );
-        Some(run)
-    };
+    let (first, second) = worker_runs(&args, &target, &mut samples).await?;
     let audit = cli::audit(&settings, None).await?;
     let expected = if second.is_some() { 2 } else { 1 } * args.events;
     anyhow::ensure!(
@@ -170,7 +133,7 @@ async fn main() -> anyhow::Result<()> {
     let mut delays = Vec::new();
     for (n, fraction) in args.latency_fractions.iter().enumerate() {
         let rate = ((first.events_per_second * fraction) as u64).max(1);
-        let mut latency = steady_delay(&settings, &args, rate, n, &produce).await?;
+        let mut latency = steady_delay(&target, &args, rate, n).await?;
         eprintln!(
             "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s",
             latency["p50_seconds"], latency["p99_seconds"]
@@ -179,82 +142,191 @@ async fn main() -> anyhow::Result<()> {
         delays.push(latency);
     }
 
-    let machine = json!({
+    let results = json!({
+        "run_id": run_id,
+        "machine": machine(),
+        "events": args.events,
+        "customers": args.customers,
+        "partitions": args.partitions,
+        "produce_events_per_second": produce_rate,
+        "kafka_read_ceiling": ceilings["kafka_read_ceiling"],
+        "database_ceiling": ceilings["database_ceiling"],
+        "naive_baseline": ceilings["naive_baseline"],
+        "tradebucket_first": first,
+        "tradebucket_second": second,
+        "delays": delays,
+        "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
+    });
+    write_results(&args.out, &results, &samples)
+}
+
+/// The generator's options for `count` events from trade number `first_id`
+/// at `rate` per second (0: full speed).
+fn produce_options(
+    args: &Args,
+    first_id: u64,
+    count: u64,
+    rate: u64,
+    topic: &str,
+) -> ProduceOptions {
+    ProduceOptions {
+        topic: Some(topic.to_string()),
+        count,
+        customers: args.customers,
+        skewed: false,
+        tickers: 8,
+        rate,
+        seed: 1,
+        no_keys: false,
+        first_id,
+    }
+}
+
+/// Steps 2 to 4: the Kafka read ceiling (keeping the messages for the offline
+/// plan), the database ceiling and the naive baseline, as the results'
+/// JSON entries.
+async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Value> {
+    let settings = target.settings();
+    let (kafka_secs, messages) =
+        read_topic(&settings, &target.topic, args.partitions, args.events)?;
+    let kafka_rate = args.events as f64 / kafka_secs;
+    eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s");
+
+    let (db_secs, buckets) = database_ceiling(target, &messages, args.ceiling_concurrency).await?;
+    let db_rate = args.events as f64 / db_secs;
+    eprintln!("bench: database ceiling {db_rate:.0} events/s ({buckets} documents)");
+
+    let naive_rate = naive_baseline(target, &messages, args.naive_events).await?;
+    eprintln!("bench: naive baseline {naive_rate:.0} events/s");
+    Ok(json!({
+        "kafka_read_ceiling": {"seconds": kafka_secs, "events_per_second": kafka_rate},
+        "database_ceiling": {"seconds": db_secs, "events_per_second": db_rate,
+                             "documents": buckets, "concurrency": args.ceiling_concurrency},
+        "naive_baseline": {"events": args.naive_events, "events_per_second": naive_rate},
+    }))
+}
+
+/// Step 5, tradebucket: the first set, then (same group, same collection) a
+/// second one unless `--no-second-set`.
+async fn worker_runs(
+    args: &Args,
+    target: &Target,
+    samples: &mut Vec<Sample>,
+) -> anyhow::Result<(WorkerRun, Option<WorkerRun>)> {
+    let first = run_worker(target, args.events, "first", samples).await?;
+    eprintln!(
+        "bench: tradebucket {:.0} events/s, peak RSS {:.1} MiB",
+        first.events_per_second, first.peak_rss_mib
+    );
+    if args.no_second_set {
+        return Ok((first, None));
+    }
+    let more = produce_options(args, args.events, args.events, 0, &target.topic);
+    cli::produce(&target.settings(), &more, false).await?;
+    let run = run_worker(target, 2 * args.events, "second", samples).await?;
+    let run = WorkerRun {
+        events: args.events,
+        events_per_second: args.events as f64 / run.seconds,
+        ..run
+    };
+    eprintln!(
+        "bench: second set {:.0} events/s, peak RSS {:.1} MiB",
+        run.events_per_second, run.peak_rss_mib
+    );
+    Ok((first, Some(run)))
+}
+
+fn machine() -> serde_json::Value {
+    json!({
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "cpu": cpu_model(),
         "tradebucket": env!("CARGO_PKG_VERSION"),
         "librdkafka": rdkafka::util::get_rdkafka_version().1,
         "kafka_server": "Tansu 0.6.0 (sqlite)",
         "mongodb_server": "secantusd-rs 0.5.3-beta.196",
-    });
-    let results = json!({
-        "run_id": run_id,
-        "machine": machine,
-        "events": args.events,
-        "customers": args.customers,
-        "partitions": args.partitions,
-        "produce_events_per_second": produce_rate,
-        "kafka_read_ceiling": {"seconds": kafka_secs, "events_per_second": kafka_rate},
-        "database_ceiling": {"seconds": db_secs, "events_per_second": db_rate,
-                             "documents": buckets, "concurrency": args.ceiling_concurrency},
-        "naive_baseline": {"events": args.naive_events, "events_per_second": naive_rate},
-        "tradebucket_first": first,
-        "tradebucket_second": second,
-        "delays": delays,
-        "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
-    });
+    })
+}
+
+/// `results.json` and `timeline.csv` in `out`; the results also on stdout.
+fn write_results(
+    out: &Path,
+    results: &serde_json::Value,
+    samples: &[Sample],
+) -> anyhow::Result<()> {
     std::fs::write(
-        args.out.join("results.json"),
-        serde_json::to_string_pretty(&results)?,
+        out.join("results.json"),
+        serde_json::to_string_pretty(results)?,
     )?;
     let mut csv = String::from("phase,seconds,written,rss_mib\n");
-    for s in &samples {
+    for s in samples {
         csv.push_str(&format!(
             "{},{:.3},{},{:.1}\n",
             s.phase, s.seconds, s.written, s.rss_mib
         ));
     }
-    std::fs::write(args.out.join("timeline.csv"), csv)?;
-    println!("{}", serde_json::to_string_pretty(&results)?);
+    std::fs::write(out.join("timeline.csv"), csv)?;
+    println!("{}", serde_json::to_string_pretty(results)?);
     Ok(())
 }
 
-/// The stack's settings, pointed at this run's topic, database and group.
-fn with_env(base: &Settings, topic: &str, db: &str, group: &str, http_port: u16) -> Settings {
-    let mut s = base.clone();
-    s.kafka.topics = vec![topic.to_string()];
-    s.kafka.group_id = group.to_string();
-    s.mongodb.database = db.to_string();
-    s.http.listen = format!("127.0.0.1:{http_port}").parse().expect("address");
-    s
+/// What a run works on: the local stack's `TRADEBUCKET__*` variables (from
+/// `scripts/stack env`) with this run's topic, group, database and listen
+/// address. In-process settings are loaded from these variables by the
+/// test kit, and the worker binary gets the same ones as its only
+/// environment, so both see one configuration.
+#[derive(Debug, Clone)]
+struct Target {
+    vars: BTreeMap<String, String>,
+    topic: String,
+    db: String,
+    group: String,
 }
 
-/// The environment that gives the worker binary `settings`.
-fn worker_env(s: &Settings) -> Vec<(String, String)> {
-    vec![
-        (
-            "TRADEBUCKET__KAFKA__BROKERS".into(),
-            s.kafka.brokers.clone(),
-        ),
-        (
-            "TRADEBUCKET__KAFKA__TOPICS".into(),
-            s.kafka.topics.join(","),
-        ),
-        (
-            "TRADEBUCKET__KAFKA__GROUP_ID".into(),
-            s.kafka.group_id.clone(),
-        ),
-        ("TRADEBUCKET__MONGODB__URI".into(), s.mongodb.uri.clone()),
-        (
-            "TRADEBUCKET__MONGODB__DATABASE".into(),
-            s.mongodb.database.clone(),
-        ),
-        (
-            "TRADEBUCKET__HTTP__LISTEN".into(),
-            s.http.listen.to_string(),
-        ),
-        ("TRADEBUCKET__LOG__FORMAT".into(), "text".into()),
-    ]
+impl Target {
+    fn new(
+        base: &BTreeMap<String, String>,
+        topic: &str,
+        db: &str,
+        group: &str,
+        http_port: u16,
+    ) -> Target {
+        let mut t = Target {
+            vars: base.clone(),
+            topic: topic.to_string(),
+            db: db.to_string(),
+            group: group.to_string(),
+        };
+        t.vars.extend(testkit::settings::vars([
+            ("TRADEBUCKET__KAFKA__TOPICS", topic),
+            ("TRADEBUCKET__KAFKA__GROUP_ID", group),
+            ("TRADEBUCKET__MONGODB__DATABASE", db),
+        ]));
+        t.with_var(
+            "TRADEBUCKET__HTTP__LISTEN",
+            &format!("127.0.0.1:{http_port}"),
+        )
+    }
+
+    fn with_var(mut self, name: &str, value: &str) -> Target {
+        self.vars.insert(name.to_string(), value.to_string());
+        self
+    }
+
+    fn settings(&self) -> Settings {
+        testkit::settings::load(&self.vars)
+    }
+
+    /// The worker binary on these variables alone, logging to our stderr.
+    fn spawn_worker(&self) -> WorkerProcess {
+        WorkerProcess::start_clean(bin(), &self.vars, Log::Inherit)
+    }
+}
+
+/// SIGTERM, and the worker must exit 0 (drained and committed).
+fn stop(worker: WorkerProcess) -> anyhow::Result<()> {
+    let code = worker.sigterm(Duration::from_secs(120));
+    anyhow::ensure!(code == Some(0), "worker exited with {code:?}");
+    Ok(())
 }
 
 fn kafka_consumer(settings: &Settings, group: &str) -> anyhow::Result<BaseConsumer> {
@@ -328,12 +400,11 @@ fn decode_all(topic: &str, messages: &[Msg]) -> anyhow::Result<(Vec<Trade>, Vec<
 /// planner, inserted with unordered bulk inserts at the worker's write
 /// concern: what the database can absorb at all.
 async fn database_ceiling(
-    settings: &Settings,
+    target: &Target,
     messages: &[Msg],
     concurrency: usize,
 ) -> anyhow::Result<(f64, usize)> {
-    let topic = &settings.kafka.topics[0];
-    let (trades, sources) = decode_all(topic, messages)?;
+    let (trades, sources) = decode_all(&target.topic, messages)?;
     // Stream order per customer: by partition, then offset (keyed by
     // customer, so one partition each).
     let mut order: Vec<usize> = (0..trades.len()).collect();
@@ -345,6 +416,7 @@ async fn database_ceiling(
             .or_default()
             .push(i);
     }
+    let capacity = target.settings().buckets.capacity;
     let mut docs = Vec::new();
     for indices in per_customer.values() {
         let events: Vec<Event<'_>> = indices
@@ -356,26 +428,22 @@ async fn database_ceiling(
             })
             .collect();
         let customer = &trades[indices[0]].customer;
-        let p = plan::plan_customer(
-            customer,
-            None,
-            &events,
-            &plan::Known::default(),
-            settings.buckets.capacity,
-        );
+        let p = plan::plan_customer(customer, None, &events, &plan::Known::default(), capacity);
         for b in &p.new_buckets {
             let ts: Vec<&Trade> = b.events.iter().map(|&i| &trades[i]).collect();
             docs.push(bucket_document(b, &ts));
         }
     }
     let n_docs = docs.len();
-    let mut s = settings.clone();
-    s.mongodb.collection = "ceiling".into();
-    let store = BucketStore::connect(&s.mongodb).await?;
+    let s = target
+        .clone()
+        .with_var("TRADEBUCKET__MONGODB__COLLECTION", "ceiling")
+        .settings();
+    let store = BucketStore::connect(&s).await?;
     store.init().await?;
     let wc = WriteConcern::builder()
         .w(Acknowledgment::Majority)
-        .journal(settings.mongodb.journal)
+        .journal(s.mongodb.journal)
         .build();
     // The same encoded documents the worker would send.
     let coll = store.collection().clone_with_type::<RawDocumentBuf>();
@@ -408,17 +476,11 @@ async fn database_ceiling(
 
 /// The manual's way: one conditional upsert per trade, one round trip each,
 /// with an index on what the filter uses.
-async fn naive_baseline(
-    settings: &Settings,
-    messages: &[Msg],
-    count: usize,
-) -> anyhow::Result<f64> {
-    let topic = &settings.kafka.topics[0];
-    let (trades, _) = decode_all(topic, &messages[..count.min(messages.len())])?;
-    let client = mongodb::Client::with_uri_str(&settings.mongodb.uri).await?;
-    let coll = client
-        .database(&settings.mongodb.database)
-        .collection::<Document>("naive");
+async fn naive_baseline(target: &Target, messages: &[Msg], count: usize) -> anyhow::Result<f64> {
+    let settings = target.settings();
+    let (trades, _) = decode_all(&target.topic, &messages[..count.min(messages.len())])?;
+    let client = mongodb::Client::with_uri_str(settings.mongodb.uri.expose_secret()).await?;
+    let coll = client.database(&target.db).collection::<Document>("naive");
     coll.create_index(
         mongodb::IndexModel::builder()
             .keys(doc! {"customerId": 1, "count": 1})
@@ -451,39 +513,34 @@ async fn naive_baseline(
 /// Starts the release binary and waits until the group's committed offsets
 /// reach the end of the topic and `expected_total` trades are stored.
 async fn run_worker(
-    settings: &Settings,
+    target: &Target,
     expected_total: u64,
     phase: &'static str,
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<WorkerRun> {
     let port = free_port();
-    let s = with_env(
-        settings,
-        &settings.kafka.topics[0],
-        &settings.mongodb.database,
-        &settings.kafka.group_id,
-        port,
-    );
-    let ends = end_offsets(&s)?;
+    let t = target
+        .clone()
+        .with_var("TRADEBUCKET__HTTP__LISTEN", &format!("127.0.0.1:{port}"));
+    let s = t.settings();
+    let ends = end_offsets(&s, &t.topic)?;
     let started = Instant::now();
-    let mut child = spawn_worker(&s)?;
+    let mut child = t.spawn_worker();
     let pid = child.id();
     let metrics_url = format!("http://127.0.0.1:{port}/metrics");
-    let http = reqwest::Client::new();
-    let checker = kafka_consumer(&s, &s.kafka.group_id)?;
-    let store = BucketStore::connect(&s.mongodb).await?;
+    let checker = kafka_consumer(&s, &t.group)?;
+    let store = BucketStore::connect(&s).await?;
     let mut written_before = None;
     loop {
         tokio::time::sleep(Duration::from_millis(250)).await;
-        anyhow::ensure!(child.try_wait()?.is_none(), "the worker exited early");
+        anyhow::ensure!(child.exited().is_none(), "the worker exited early");
         anyhow::ensure!(
             started.elapsed() < Duration::from_secs(1800),
             "the worker did not finish in 30 minutes"
         );
-        let written = match http.get(&metrics_url).send().await {
-            Ok(r) => counter(&r.text().await?, "tradebucket_events_written_total"),
-            Err(_) => None,
-        };
+        let written = http_get(&metrics_url)
+            .await
+            .and_then(|(_, body)| counter(&body, "tradebucket_events_written_total"));
         if let Some(w) = written {
             written_before.get_or_insert(w);
             samples.push(Sample {
@@ -495,7 +552,7 @@ async fn run_worker(
         }
         // Commits come after durable writes, so once they reach the end
         // every trade is stored; counting them is the check, once.
-        if committed_reached(&checker, &s, &ends)? {
+        if committed_reached(&checker, &t.topic, &ends)? {
             break;
         }
     }
@@ -506,7 +563,7 @@ async fn run_worker(
         "offsets committed to the end but {stored} trades stored, expected {expected_total}"
     );
     let peak_rss_mib = proc_status_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
-    stop(&mut child)?;
+    stop(child)?;
     let events = expected_total;
     Ok(WorkerRun {
         events,
@@ -519,52 +576,54 @@ async fn run_worker(
 /// Delay from message timestamp to committed write, from the worker's own
 /// histogram, while the generator produces at `rate` for a while.
 async fn steady_delay(
-    settings: &Settings,
+    target: &Target,
     args: &Args,
     rate: u64,
     run: usize,
-    produce: &dyn Fn(u64, u64, u64, &str) -> ProduceOptions,
 ) -> anyhow::Result<serde_json::Value> {
-    let topic = format!("{}-steady{run}", settings.kafka.topics[0]);
-    let mut s = with_env(
-        settings,
-        &topic,
-        &format!("{}_steady{run}", settings.mongodb.database),
-        &format!("{}-steady{run}", settings.kafka.group_id),
-        free_port(),
+    let port = free_port();
+    let t = Target::new(
+        &target.vars,
+        &format!("{}-steady{run}", target.topic),
+        &format!("{}_steady{run}", target.db),
+        &format!("{}-steady{run}", target.group),
+        port,
     );
+    let s = t.settings();
     cli::init(&s, Some(args.partitions)).await?;
-    s.kafka.auto_offset_reset = "earliest".into();
-    let mut child = spawn_worker(&s)?;
-    let metrics_url = format!("http://{}/metrics", s.http.listen);
-    let http = reqwest::Client::new();
+    let child = t.spawn_worker();
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
     // Start the load once partitions are assigned, so start-up is not
     // counted as delay.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(r) = http.get(&metrics_url).send().await {
-            if gauge(&r.text().await?, "tradebucket_assigned_partitions").unwrap_or(0.0)
-                >= f64::from(args.partitions)
-            {
-                break;
-            }
-        }
-        anyhow::ensure!(Instant::now() < deadline, "no assignment within 60 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let assigned = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            http_get(&metrics_url).await.is_some_and(|(_, body)| {
+                gauge(&body, "tradebucket_assigned_partitions").unwrap_or(0.0)
+                    >= f64::from(args.partitions)
+            })
+        },
+    )
+    .await;
+    anyhow::ensure!(assigned, "no assignment within 60 s");
     let count = rate * args.latency_seconds;
-    cli::produce(&s, &produce(0, count, rate, &topic), false).await?;
-    let ends = end_offsets(&s)?;
-    let checker = kafka_consumer(&s, &s.kafka.group_id)?;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !committed_reached(&checker, &s, &ends)? {
-        anyhow::ensure!(Instant::now() < deadline, "steady load not drained");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let load = produce_options(args, 0, count, rate, &t.topic);
+    cli::produce(&s, &load, false).await?;
+    let ends = end_offsets(&s, &t.topic)?;
+    let checker = kafka_consumer(&s, &t.group)?;
+    // A broker error while asking counts as not yet: asked again.
+    let drained = poll_until(Duration::from_secs(120), Duration::from_millis(200), || {
+        std::future::ready(committed_reached(&checker, &t.topic, &ends).unwrap_or(false))
+    })
+    .await;
+    anyhow::ensure!(drained, "steady load not drained");
     // The last commit's delay is observed right after the commit.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let text = http.get(&metrics_url).send().await?.text().await?;
-    stop(&mut child)?;
+    let (_, text) = http_get(&metrics_url)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("no metrics from the worker"))?;
+    stop(child)?;
     let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
     let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
     Ok(json!({
@@ -578,36 +637,8 @@ async fn steady_delay(
     }))
 }
 
-fn spawn_worker(s: &Settings) -> anyhow::Result<Child> {
-    Ok(Command::new(env!("CARGO_BIN_EXE_tradebucket"))
-        .arg("run")
-        .env_clear()
-        .envs(worker_env(s))
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()?)
-}
-
-fn stop(child: &mut Child) -> anyhow::Result<()> {
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()?;
-    let status = child.wait()?;
-    anyhow::ensure!(status.success(), "worker exited with {status}");
-    Ok(())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn end_offsets(s: &Settings) -> anyhow::Result<BTreeMap<i32, i64>> {
+fn end_offsets(s: &Settings, topic: &str) -> anyhow::Result<BTreeMap<i32, i64>> {
     let consumer = kafka_consumer(s, "bench-watermarks")?;
-    let topic = &s.kafka.topics[0];
     let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
     let mut out = BTreeMap::new();
     for p in metadata.topics()[0].partitions() {
@@ -619,12 +650,12 @@ fn end_offsets(s: &Settings) -> anyhow::Result<BTreeMap<i32, i64>> {
 
 fn committed_reached(
     checker: &BaseConsumer,
-    s: &Settings,
+    topic: &str,
     ends: &BTreeMap<i32, i64>,
 ) -> anyhow::Result<bool> {
     let mut tpl = TopicPartitionList::new();
     for p in ends.keys() {
-        tpl.add_partition(&s.kafka.topics[0], *p);
+        tpl.add_partition(topic, *p);
     }
     let committed = checker.committed_offsets(tpl, Duration::from_secs(10))?;
     Ok(committed.elements().iter().all(|e| match e.offset() {

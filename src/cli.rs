@@ -97,8 +97,8 @@ pub async fn page(
         .map(|d| Bson::Document(d).into_relaxed_extjson()))
 }
 
-/// What `audit` found.
-#[derive(Debug, Default, serde::Serialize)]
+/// What `audit` found; `audit --json` prints it, harnesses parse it back.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct AuditReport {
     pub customers: u64,
     pub buckets: u64,

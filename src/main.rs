@@ -52,6 +52,9 @@ enum Command {
     Audit {
         #[arg(long)]
         customer: Option<String>,
+        /// Print the report as JSON instead of text (same exit code).
+        #[arg(long)]
+        json: bool,
     },
     /// Produce synthetic trade events (demo and load).
     Produce(ProduceOptions),
@@ -159,21 +162,25 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
                 }
             }
         }
-        Command::Audit { customer } => {
+        Command::Audit { customer, json } => {
             let customer = match customer.map(|c| parse_customer(&c)).transpose() {
                 Ok(c) => c,
                 Err(code) => return Ok(code),
             };
             let report = cli::audit(&settings, customer.as_ref()).await?;
-            println!(
-                "audit: {} customers, {} buckets, {} trades, {} violations",
-                report.customers,
-                report.buckets,
-                report.trades,
-                report.violations.len()
-            );
-            for v in &report.violations {
-                println!("violation: {v}");
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!(
+                    "audit: {} customers, {} buckets, {} trades, {} violations",
+                    report.customers,
+                    report.buckets,
+                    report.trades,
+                    report.violations.len()
+                );
+                for v in &report.violations {
+                    println!("violation: {v}");
+                }
             }
             if !report.violations.is_empty() {
                 return Ok(ExitCode::FAILURE);

@@ -34,13 +34,16 @@ struct Seen {
     /// Each write attempt: when, and the offsets of its events.
     writes: Vec<(Duration, Vec<i64>)>,
     /// Each commit that named offsets (or was `Sync`): when, what, how.
-    commits: Vec<(Duration, Vec<(TopicPartition, i64)>, Mode)>,
+    commits: Vec<Commit>,
     /// Each dead-letter send attempt: when, and the source offset.
     dead_letters: Vec<(Duration, i64)>,
     left: bool,
 }
 
 type Shared = Arc<Mutex<Seen>>;
+
+/// When a commit was made, the offsets it named, and how.
+type Commit = (Duration, Vec<(TopicPartition, i64)>, Mode);
 
 /// `CommitMode`, comparable.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -234,7 +237,7 @@ impl Harness {
         self.seen.lock().unwrap().writes.clone()
     }
 
-    fn commits(&self) -> Vec<(Duration, Vec<(TopicPartition, i64)>, Mode)> {
+    fn commits(&self) -> Vec<Commit> {
         self.seen.lock().unwrap().commits.clone()
     }
 

@@ -15,7 +15,7 @@ use mongodb::bson::{self, Bson, Document};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, TestRunner};
 
-use tradebucket::event::{decode, CustomerId, RejectKind, Source, MAX_EPOCH_SECONDS};
+use tradebucket::event::{decode, CustomerId, RejectKind, Source, Trade, MAX_EPOCH_SECONDS};
 
 use crate::harness::report_dir;
 
@@ -93,21 +93,14 @@ fn name() -> impl Strategy<Value = String> {
     ]
 }
 
-/// A valid event's fields, as (name, raw JSON).
+/// A valid event's fields, as (name, raw JSON): the README's example
+/// trade from the test kit.
 fn base() -> Vec<(String, String)> {
-    [
-        ("tradeId", r#""T-1""#),
-        ("customerId", "123"),
-        ("type", r#""buy""#),
-        ("ticker", r#""MDB""#),
-        ("qty", "419"),
-        ("price", r#""61.25""#),
-        ("currency", r#""USD""#),
-        ("date", r#""2023-10-26T15:47:03.434Z""#),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect()
+    testkit::trade("T-1")
+        .fields()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 #[derive(Debug, Clone)]
@@ -240,66 +233,71 @@ fn check(bytes: &[u8]) -> Result<bool, TestCaseError> {
             }
         }
         Ok(t) => {
-            // Accepted: valid JSON (by RFC 8259's grammar, which bounds no
-            // exponent: `1e400` is JSON and an exact Decimal128), an object,
-            // and every rule of README.md.
-            let raw: Box<serde_json::value::RawValue> = serde_json::from_slice(bytes)
-                .map_err(|e| TestCaseError::fail(format!("accepted non-JSON: {e}")))?;
-            prop_assert!(raw.get().starts_with('{'), "not an object");
-            prop_assert!(t.key.starts_with("t:") || t.key == "o:fuzz.trades/2/77");
-            prop_assert_eq!(t.doc.get_str("key").ok(), Some(t.key.as_str()));
-            match &t.customer {
-                CustomerId::Int(i) => prop_assert!(*i >= 0),
-                CustomerId::Str(s) => prop_assert!(
-                    !s.is_empty()
-                        && s.len() <= 64
-                        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-                ),
-            }
-            prop_assert!(!t.customer.id_text().contains('_'));
-            prop_assert!((0..=MAX_EPOCH_SECONDS * 1000 + 999).contains(&t.date_ms));
-            prop_assert!(
-                !t.ticker.is_empty()
-                    && t.ticker.len() <= 16
-                    && t.ticker.bytes().all(|b| b.is_ascii_uppercase()
-                        || b.is_ascii_digit()
-                        || b == b'.'
-                        || b == b'-')
-            );
-            // The stored entry is raw BSON already; read it back as a map.
-            let entry = t
-                .entry()
-                .map_err(|e| TestCaseError::fail(format!("entry does not read back: {e}")))?;
-            match entry.get("qty") {
-                Some(Bson::Int64(q)) => prop_assert!(*q > 0),
-                Some(Bson::Decimal128(d)) => {
-                    let text = d.to_string();
-                    prop_assert!(
-                        !text.starts_with('-') && text.bytes().any(|b| (b'1'..=b'9').contains(&b)),
-                        "qty {}",
-                        text
-                    );
-                }
-                other => prop_assert!(false, "qty stored as {:?}", other),
-            }
-            if let Some(p) = entry.get("price") {
-                let Bson::Decimal128(d) = p else {
-                    return Err(TestCaseError::fail(format!("price stored as {p:?}")));
-                };
-                let text = d.to_string();
-                prop_assert!(
-                    !text.contains("NaN") && !text.contains("Inf"),
-                    "price {}",
-                    text
-                );
-            }
-            names_are_storable(&entry).map_err(TestCaseError::fail)?;
-            bson::to_vec(&entry)
-                .map_err(|e| TestCaseError::fail(format!("not serialisable: {e}")))?;
+            check_accepted(bytes, &t)?;
             return Ok(true);
         }
     }
     Ok(false)
+}
+
+/// What the decoder accepted is valid JSON, an object, and within every
+/// rule of README.md, and stores as BSON.
+fn check_accepted(bytes: &[u8], t: &Trade) -> Result<(), TestCaseError> {
+    // Accepted: valid JSON (by RFC 8259's grammar, which bounds no
+    // exponent: `1e400` is JSON and an exact Decimal128), an object,
+    // and every rule of README.md.
+    let raw: Box<serde_json::value::RawValue> = serde_json::from_slice(bytes)
+        .map_err(|e| TestCaseError::fail(format!("accepted non-JSON: {e}")))?;
+    prop_assert!(raw.get().starts_with('{'), "not an object");
+    prop_assert!(t.key.starts_with("t:") || t.key == "o:fuzz.trades/2/77");
+    prop_assert_eq!(t.doc.get_str("key").ok(), Some(t.key.as_str()));
+    match &t.customer {
+        CustomerId::Int(i) => prop_assert!(*i >= 0),
+        CustomerId::Str(s) => prop_assert!(
+            !s.is_empty()
+                && s.len() <= 64
+                && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        ),
+    }
+    prop_assert!(!t.customer.id_text().contains('_'));
+    prop_assert!((0..=MAX_EPOCH_SECONDS * 1000 + 999).contains(&t.date_ms));
+    prop_assert!(
+        !t.ticker.is_empty()
+            && t.ticker.len() <= 16
+            && t.ticker
+                .bytes()
+                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
+    );
+    // The stored entry is raw BSON already; read it back as a map.
+    let entry = t
+        .entry()
+        .map_err(|e| TestCaseError::fail(format!("entry does not read back: {e}")))?;
+    match entry.get("qty") {
+        Some(Bson::Int64(q)) => prop_assert!(*q > 0),
+        Some(Bson::Decimal128(d)) => {
+            let text = d.to_string();
+            prop_assert!(
+                !text.starts_with('-') && text.bytes().any(|b| (b'1'..=b'9').contains(&b)),
+                "qty {}",
+                text
+            );
+        }
+        other => prop_assert!(false, "qty stored as {:?}", other),
+    }
+    if let Some(p) = entry.get("price") {
+        let Bson::Decimal128(d) = p else {
+            return Err(TestCaseError::fail(format!("price stored as {p:?}")));
+        };
+        let text = d.to_string();
+        prop_assert!(
+            !text.contains("NaN") && !text.contains("Inf"),
+            "price {}",
+            text
+        );
+    }
+    names_are_storable(&entry).map_err(TestCaseError::fail)?;
+    bson::to_vec(&entry).map_err(|e| TestCaseError::fail(format!("not serialisable: {e}")))?;
+    Ok(())
 }
 
 #[test]

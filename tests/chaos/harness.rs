@@ -1,26 +1,29 @@
 //! What every chaos scenario shares: sizes, private servers, the event set
 //! (good trades from the product's own generator, poison, upstream
-//! duplicates), an ordered fast producer, worker processes with log files,
-//! and the oracle that compares MongoDB and the dead-letter topic with an
-//! independent recount of what was produced.
+//! duplicates), an ordered fast producer, and the scenario's run (its
+//! workers, each logging to its own file, and the faults injected). The
+//! verdict at the end is in `verdict.rs`; servers, processes and polling
+//! come from the test kit.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{Offset, TopicPartitionList};
 use serde_json::{json, Value};
 
-use crate::helpers::*;
+use testkit::{
+    poll_until, produce_fast, trade, Fleet, PrivateKafka, PrivateMongo, Produced, TestEnv,
+    WorkerProcess,
+};
 use tradebucket::cli::{synthetic_event, ProduceOptions};
+
+/// How often the scenarios look at the group's progress: often enough that
+/// a kill lands soon after the commit it was aimed at.
+pub const POLL: Duration = Duration::from_millis(50);
 
 /// Trades per bucket in every scenario: small, so that thousands of
 /// customers still roll over into new buckets often.
@@ -87,12 +90,7 @@ impl Stack {
         let kafka = PrivateKafka::start().await;
         let mongo = PrivateMongo::start().await;
         let env = TestEnv::on(kafka.brokers(), mongo.uri(), name, partitions).await;
-        let group = ClientConfig::new()
-            .set("bootstrap.servers", &env.kafka)
-            .set("group.id", &env.group)
-            .set("enable.auto.commit", "false")
-            .create()
-            .expect("group client");
+        let group = env.group_client();
         Stack {
             kafka,
             mongo,
@@ -137,7 +135,7 @@ impl Stack {
             // and a member that times out and rejoins is never assigned
             // again by it (see docs/reliability.md). A kill -9'd worker is
             // restarted after it.
-            ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT_MS", "30000"),
+            ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT", "30s"),
         ];
         all.extend_from_slice(extra);
         self.env.vars(&all)
@@ -146,17 +144,12 @@ impl Stack {
     /// Waits until the broker answers a watermark query within a second,
     /// three times in a row.
     pub async fn wait_broker_responsive(&self, timeout: Duration) {
-        let probe: BaseConsumer = ClientConfig::new()
+        let probe: BaseConsumer = rdkafka::config::ClientConfig::new()
             .set("bootstrap.servers", &self.env.kafka)
             .create()
             .expect("probe client");
-        let deadline = Instant::now() + timeout;
         let mut quick = 0;
-        while quick < 3 {
-            assert!(
-                Instant::now() < deadline,
-                "the broker did not answer promptly within {timeout:?}"
-            );
+        let responsive = poll_until(timeout, Duration::from_millis(500), || {
             let asked = Instant::now();
             let answered = probe
                 .fetch_watermarks(&self.env.topic, 0, Duration::from_secs(5))
@@ -166,8 +159,13 @@ impl Stack {
             } else {
                 0
             };
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
+            std::future::ready(quick >= 3)
+        })
+        .await;
+        assert!(
+            responsive,
+            "the broker did not answer promptly within {timeout:?}"
+        );
     }
 
     /// Sum of the group's committed offsets (the cheap progress measure).
@@ -261,13 +259,37 @@ pub const POISON: [(&str, &str); 15] = [
 /// up in MongoDB as an unexpected trade.
 fn poison(k: usize, i: usize, rng: &mut StdRng) -> Rec {
     let (name, kind) = POISON[k];
-    let customer = rng.random_range(0..CUSTOMERS).to_string();
-    let mut t = json!({
-        "tradeId": format!("BAD-{i}"), "customerId": customer.parse::<u64>().unwrap(),
-        "type": "buy", "ticker": "MDB", "qty": 5, "price": "1.25", "currency": "USD",
-        "date": "2024-01-01T00:00:00Z",
-    });
-    let payload: Option<Vec<u8>> = match name {
+    let customer = rng.random_range(0..CUSTOMERS);
+    let t = trade(format!("BAD-{i}"))
+        .customer(customer)
+        .qty(5)
+        .price("1.25")
+        .date("2024-01-01T00:00:00Z")
+        .json();
+    Rec {
+        msg: Produced {
+            key: Some(customer.to_string()),
+            payload: poison_payload(name, t, customer, rng),
+            headers: vec![("chaos.origin".into(), "poison".into())],
+            ..Produced::default()
+        },
+        class: Class::Bad { poison: name, kind },
+    }
+}
+
+/// Dates the decoder must refuse: no such day or time, or outside
+/// 1970..2286.
+const IMPOSSIBLE_DATES: [&str; 5] = [
+    "2023-02-30T10:00:00Z",
+    "2023-13-01T00:00:00Z",
+    "2023-04-31T25:61:00Z",
+    "1969-12-31T23:59:59Z",
+    "2300-01-01T00:00:00Z",
+];
+
+/// The payload of poison `name`, made from the valid trade `t`.
+fn poison_payload(name: &str, mut t: Value, customer: u64, rng: &mut StdRng) -> Option<Vec<u8>> {
+    match name {
         "not_json" => {
             let s = t.to_string();
             Some(s.as_bytes()[..rng.random_range(1..s.len() - 1)].to_vec())
@@ -316,15 +338,7 @@ fn poison(k: usize, i: usize, rng: &mut StdRng) -> Rec {
             Some(s.into_bytes())
         }
         "impossible_date" => {
-            t["date"] = json!(
-                [
-                    "2023-02-30T10:00:00Z",
-                    "2023-13-01T00:00:00Z",
-                    "2023-04-31T25:61:00Z",
-                    "1969-12-31T23:59:59Z",
-                    "2300-01-01T00:00:00Z"
-                ][rng.random_range(0..5)]
-            );
+            t["date"] = json!(IMPOSSIBLE_DATES[rng.random_range(0..5)]);
             Some(t.to_string().into_bytes())
         }
         "customer_with_underscore" => {
@@ -348,15 +362,6 @@ fn poison(k: usize, i: usize, rng: &mut StdRng) -> Rec {
             Some(b)
         }
         other => unreachable!("{other}"),
-    };
-    Rec {
-        msg: Produced {
-            key: Some(customer),
-            payload,
-            headers: vec![("chaos.origin".into(), "poison".into())],
-            ..Produced::default()
-        },
-        class: Class::Bad { poison: name, kind },
     }
 }
 
@@ -446,52 +451,13 @@ pub fn number(mut recs: Vec<Rec>) -> Vec<Rec> {
 
 // -------------------------------------------------------------- producing
 
-/// Produces `recs` in order, fast: every send is queued before any is
-/// awaited. The idempotent producer keeps the order within a partition.
-/// Returns each record's (partition, offset).
+/// Produces `recs` in order, fast (every send queued before any is
+/// awaited); returns each record's (partition, offset).
 pub async fn produce(brokers: &str, topic: &str, recs: &[Rec]) -> Vec<(i32, i64)> {
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "20")
-        .set("queue.buffering.max.messages", "100000")
-        .set("message.timeout.ms", "120000")
-        .create()
-        .expect("producer");
-    let mut pending = Vec::with_capacity(recs.len());
-    for r in recs {
-        let mut headers = OwnedHeaders::new();
-        for (k, v) in &r.msg.headers {
-            headers = headers.insert(Header {
-                key: k,
-                value: Some(v.as_bytes()),
-            });
-        }
-        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(headers);
-        if let Some(k) = &r.msg.key {
-            record = record.key(k.as_bytes());
-        }
-        if let Some(p) = &r.msg.payload {
-            record = record.payload(p.as_slice());
-        }
-        if let Some(p) = r.msg.partition {
-            record = record.partition(p);
-        }
-        let delivery = tradebucket::kafka::enqueue(&producer, record)
-            .await
-            .unwrap_or_else(|e| panic!("produce: {e}"));
-        pending.push(delivery);
-    }
-    let mut out = Vec::with_capacity(pending.len());
-    for f in pending {
-        let delivery = f
-            .await
-            .expect("delivery not cancelled")
-            .map_err(|(e, _)| e)
-            .expect("delivered");
-        out.push((delivery.partition, delivery.offset));
-    }
-    out
+    // Collected first: a `map` closure held across the await would make
+    // the future unusable in `tokio::spawn` (higher-ranked lifetimes).
+    let messages: Vec<&Produced> = recs.iter().map(|r| &r.msg).collect();
+    produce_fast(brokers, topic, messages).await
 }
 
 /// Produces `recs` in `chunks` chunks with `pause` between them, in the
@@ -516,220 +482,23 @@ pub fn produce_paced(
 
 // ---------------------------------------------------------------- workers
 
-/// Starts real `tradebucket run` processes, each logging to its own file
-/// under `<report dir>/logs/<scenario>/`.
-pub struct Fleet {
-    vars: BTreeMap<String, String>,
-    dir: PathBuf,
-    started: usize,
-    pids: Vec<u32>,
+/// The binary under test: only the root package's tests know its path.
+pub fn bin() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_BIN_EXE_tradebucket"))
 }
 
-impl Drop for Fleet {
-    /// A failed scenario must not leave workers behind: kill -9 those of
-    /// ours still running (checked by executable, since a reaped pid may
-    /// belong to someone else by now).
-    fn drop(&mut self) {
-        let ours = std::fs::canonicalize(env!("CARGO_BIN_EXE_tradebucket")).ok();
-        for pid in &self.pids {
-            let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
-            if exe.is_some() && exe == ours {
-                let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-            }
-        }
-    }
+/// The scenario's workers: real `tradebucket run` processes, each logging
+/// to its own file under `<report dir>/logs/<scenario>/`, killed -9 if
+/// still running when the scenario ends (a failed one must not leave
+/// workers behind).
+pub fn fleet(scenario: &str, vars: BTreeMap<String, String>) -> Fleet {
+    Fleet::new(bin(), vars, report_dir().join("logs").join(scenario))
 }
 
-impl Fleet {
-    pub fn new(scenario: &str, vars: BTreeMap<String, String>) -> Fleet {
-        let dir = report_dir().join("logs").join(scenario);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("log dir");
-        Fleet {
-            vars,
-            dir,
-            started: 0,
-            pids: Vec::new(),
-        }
-    }
-
-    pub fn start(&mut self) -> WorkerProcess {
-        self.start_with(&[])
-    }
-
-    pub fn start_with(&mut self, extra: &[(&str, String)]) -> WorkerProcess {
-        let log = self.dir.join(format!("worker-{}.log", self.started));
-        self.started += 1;
-        let child = Command::new(env!("CARGO_BIN_EXE_tradebucket"))
-            .arg("run")
-            .envs(&self.vars)
-            .envs(extra.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("TRADEBUCKET__LOG__FORMAT", "text")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("start tradebucket");
-        self.pids.push(child.id());
-        WorkerProcess { child }
-    }
-}
-
-/// SIGTERM and wait: the exit code, or `None` (killed) if it did not exit
-/// within `timeout`.
-pub fn sigterm(w: WorkerProcess, timeout: Duration) -> Option<i32> {
-    w.signal(15);
-    let WorkerProcess { mut child } = w;
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            return status.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Polls until `f` holds or `timeout` passes; whether it held.
-pub async fn wait_for<F: FnMut() -> bool>(timeout: Duration, mut f: F) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-// ----------------------------------------------------------------- oracle
-
-/// The trade identity and source position of every record expected in
-/// MongoDB (first occurrence of each good trade).
-fn expected(recs: &[Rec], placed: &[(i32, i64)]) -> HashMap<String, (String, i32, i64)> {
-    let mut out = HashMap::new();
-    for (r, &(p, o)) in recs.iter().zip(placed) {
-        if let Class::Good { key, customer } = &r.class {
-            out.entry(key.clone()).or_insert((customer.clone(), p, o));
-        }
-    }
-    out
-}
-
-/// Commit after write: after a crash, every event below the group's
-/// committed offsets is stored. Returns the keys that are not.
-pub async fn committed_but_not_stored(
-    stack: &Stack,
-    recs: &[Rec],
-    placed: &[(i32, i64)],
-) -> Vec<String> {
-    let committed = loop {
-        if let Some(c) = stack.committed() {
-            break c;
-        }
-    };
-    let stored: HashSet<String> = stack
-        .env
-        .histories()
-        .await
-        .into_values()
-        .flatten()
-        .collect();
-    let mut missing = Vec::new();
-    for (r, &(p, o)) in recs.iter().zip(placed) {
-        let key = match &r.class {
-            Class::Good { key, .. } | Class::Duplicate { key } => key,
-            Class::Bad { .. } => continue,
-        };
-        if o < committed.get(&p).copied().unwrap_or(0) && !stored.contains(key) {
-            missing.push(format!("{key} at {p}/{o}"));
-        }
-    }
-    missing
-}
-
-/// `tradebucket audit` (the binary): exit code and its summary numbers.
-pub fn audit_binary(vars: &BTreeMap<String, String>) -> (Option<i32>, BTreeMap<String, u64>) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tradebucket"))
-        .arg("audit")
-        .envs(vars)
-        .env("TRADEBUCKET__LOG__FORMAT", "text")
-        .output()
-        .expect("run tradebucket audit");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    // "audit: 3 customers, 5 buckets, 17 trades, 0 violations"
-    let mut numbers = BTreeMap::new();
-    if let Some(line) = stdout.lines().find(|l| l.starts_with("audit:")) {
-        for part in line.trim_start_matches("audit:").split(',') {
-            let mut words = part.split_whitespace();
-            if let (Some(n), Some(what)) = (words.next(), words.next()) {
-                if let Ok(n) = n.parse() {
-                    numbers.insert(what.to_string(), n);
-                }
-            }
-        }
-    }
-    for v in stdout
-        .lines()
-        .filter(|l| l.starts_with("violation:"))
-        .take(20)
-    {
-        eprintln!("audit {v}");
-    }
-    (out.status.code(), numbers)
-}
-
-/// Every record of the dead-letter topic, from the start to its end.
-pub fn read_dead_letters(env: &TestEnv) -> Vec<OwnedMessage> {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &env.kafka)
-        .set("group.id", unique("dlq-audit"))
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("consumer");
-    let (_, high) = consumer
-        .fetch_watermarks(&env.dlq, 0, Duration::from_secs(10))
-        .expect("dead-letter watermarks");
-    let mut out = Vec::new();
-    if high <= 0 {
-        return out;
-    }
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&env.dlq, 0, Offset::Beginning)
-        .unwrap();
-    consumer.assign(&tpl).expect("assign");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while Instant::now() < deadline {
-        match consumer.poll(Duration::from_millis(200)) {
-            Some(Ok(m)) => {
-                let last = m.offset() + 1 >= high;
-                out.push(m.detach());
-                if last {
-                    break;
-                }
-            }
-            Some(Err(e)) => panic!("reading the dead-letter topic: {e}"),
-            None => {}
-        }
-    }
-    out
-}
-
-fn header(m: &OwnedMessage, name: &str) -> Option<String> {
-    m.headers()?
-        .iter()
-        .find(|h| h.key == name)
-        .and_then(|h| h.value)
-        .map(|v| String::from_utf8_lossy(v).to_string())
-}
+// --------------------------------------------------------------- scenario
 
 /// One scenario's run: its servers, workers, the faults injected, and at
-/// the end the verdict.
+/// the end the verdict (`Scenario::finish`, in `verdict.rs`).
 pub struct Scenario {
     pub name: &'static str,
     pub title: &'static str,
@@ -757,7 +526,7 @@ impl Scenario {
         Scenario {
             name,
             title,
-            fleet: Fleet::new(name, vars.clone()),
+            fleet: fleet(name, vars.clone()),
             vars,
             stack,
             started: Instant::now(),
@@ -783,239 +552,7 @@ impl Scenario {
 
     /// Stops a worker with SIGTERM, recording its exit code.
     pub fn sigterm(&mut self, w: WorkerProcess) {
-        let code = sigterm(w, Duration::from_secs(60));
+        let code = w.sigterm(Duration::from_secs(60));
         self.exit_codes.push(code);
-    }
-
-    /// Waits for the group to commit to the end of the topic, stops the
-    /// workers with SIGTERM, and checks everything against the recount.
-    /// Writes the report, then asserts on it.
-    pub async fn finish(
-        mut self,
-        workers: Vec<WorkerProcess>,
-        recs: &[Rec],
-        placed: &[(i32, i64)],
-    ) {
-        assert_eq!(recs.len(), placed.len(), "every record was produced");
-        let end = self.stack.end_offsets();
-        let timeout = Duration::from_secs(pick(240, 1200));
-        let reached = wait_for(timeout, || self.stack.committed().as_ref() == Some(&end)).await;
-        let ingest_done = self.started.elapsed().as_secs_f64();
-        for w in workers {
-            let code = sigterm(w, Duration::from_secs(60));
-            self.exit_codes.push(code);
-        }
-        let env = &self.stack.env;
-        let committed = self.stack.committed();
-        let committed_to_end = reached && committed.as_ref() == Some(&self.stack.end_offsets());
-
-        // Trades: MongoDB against the recount, trade by trade.
-        let expect = expected(recs, placed);
-        let histories = env.histories().await;
-        let mut seen: HashMap<&str, usize> = HashMap::new();
-        let mut unexpected = Vec::new();
-        let mut order_violations = Vec::new();
-        let mut stored = 0usize;
-        for (customer, keys) in &histories {
-            let mut last: BTreeMap<i32, i64> = BTreeMap::new();
-            for k in keys {
-                stored += 1;
-                *seen.entry(k.as_str()).or_default() += 1;
-                match expect.get(k) {
-                    None => unexpected.push(format!("{customer}: {k}")),
-                    Some((c, _, _)) if c != customer => {
-                        unexpected.push(format!("{customer}: {k} belongs to {c}"))
-                    }
-                    Some(&(_, p, o)) => {
-                        // Within a customer, each source partition's events
-                        // keep their order.
-                        if let Some(prev) = last.insert(p, o) {
-                            if prev >= o {
-                                order_violations.push(format!(
-                                    "{customer}: partition {p} offset {o} after {prev}"
-                                ));
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        let lost: Vec<&String> = expect
-            .keys()
-            .filter(|k| !seen.contains_key(k.as_str()))
-            .collect();
-        let duplicated: usize = seen.values().map(|n| n - 1).sum();
-
-        let (audit_code, audit) = audit_binary(&self.vars);
-
-        // Dead letters: exactly the bad events, each once, with the
-        // original key, payload and headers and the error/source headers.
-        let by_pos: HashMap<(i32, i64), usize> =
-            placed.iter().enumerate().map(|(i, &po)| (po, i)).collect();
-        let bad_expected: HashSet<usize> = recs
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| matches!(r.class, Class::Bad { .. }))
-            .map(|(i, _)| i)
-            .collect();
-        let dl = read_dead_letters(env);
-        let mut dl_found: HashSet<usize> = HashSet::new();
-        let mut dl_wrong = Vec::new();
-        let mut kinds: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-        for &i in &bad_expected {
-            if let Class::Bad { kind, .. } = recs[i].class {
-                kinds.entry(kind.to_string()).or_default().0 += 1;
-            }
-        }
-        let mut poisons: BTreeMap<&str, usize> = BTreeMap::new();
-        for &i in &bad_expected {
-            if let Class::Bad { poison, .. } = recs[i].class {
-                *poisons.entry(poison).or_default() += 1;
-            }
-        }
-        for m in &dl {
-            let kind = header(m, "tradebucket.error.kind").unwrap_or_default();
-            kinds.entry(kind.clone()).or_default().1 += 1;
-            let pos = header(m, "tradebucket.source.partition")
-                .and_then(|p| p.parse::<i32>().ok())
-                .zip(header(m, "tradebucket.source.offset").and_then(|o| o.parse::<i64>().ok()));
-            let Some(&i) = pos.and_then(|po| by_pos.get(&po)) else {
-                dl_wrong.push(format!("dead letter for an unknown position {pos:?}"));
-                continue;
-            };
-            if !dl_found.insert(i) {
-                continue;
-            }
-            let r = &recs[i];
-            let Class::Bad { kind: want, poison } = r.class else {
-                dl_wrong.push(format!(
-                    "record {i} ({:?}) dead-lettered as {kind}",
-                    r.class
-                ));
-                continue;
-            };
-            let mut problems = Vec::new();
-            if kind != want {
-                problems.push(format!("kind {kind}, expected {want}"));
-            }
-            if header(m, "tradebucket.error.message").is_none_or(|s| s.is_empty()) {
-                problems.push("no error message".into());
-            }
-            if header(m, "tradebucket.source.topic").as_deref() != Some(env.topic.as_str()) {
-                problems.push("wrong source topic".into());
-            }
-            if m.key() != r.msg.key.as_ref().map(|k| k.as_bytes()) {
-                problems.push("original key lost".into());
-            }
-            if m.payload().unwrap_or_default() != r.msg.payload.as_deref().unwrap_or_default() {
-                problems.push("original payload changed".into());
-            }
-            for (k, v) in &r.msg.headers {
-                if header(m, k).as_deref() != Some(v.as_str()) {
-                    problems.push(format!("original header {k} lost"));
-                }
-            }
-            if !problems.is_empty() {
-                dl_wrong.push(format!("record {i} ({poison}): {}", problems.join(", ")));
-            }
-        }
-        let dl_missing: Vec<usize> = bad_expected.difference(&dl_found).copied().collect();
-
-        let trades_expected = expect.len();
-        let customers: HashSet<&String> = expect.values().map(|(c, _, _)| c).collect();
-        let duplicates_produced = recs
-            .iter()
-            .filter(|r| matches!(r.class, Class::Duplicate { .. }))
-            .count();
-        let audit_violations = audit.get("violations").copied();
-        let report = json!({
-            "scenario": self.name,
-            "title": self.title,
-            "size": if full() { "full" } else { "reduced" },
-            "seconds_total": (self.started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
-            "seconds_until_committed_to_end": (ingest_done * 10.0).round() / 10.0,
-            "events_produced": recs.len(),
-            "partitions": env.partitions,
-            "customers": customers.len(),
-            "capacity": CAPACITY,
-            "trades_expected": trades_expected,
-            "upstream_duplicates_produced": duplicates_produced,
-            "bad_events_produced": bad_expected.len(),
-            "poison_kinds": poisons,
-            "faults_injected": self.faults.len(),
-            "faults": self.faults,
-            "trades_stored": stored,
-            "lost": lost.len(),
-            "duplicated": duplicated,
-            "unexpected": unexpected.len(),
-            "order_violations": order_violations.len(),
-            "dead_letters_expected": bad_expected.len(),
-            "dead_letters_actual": dl.len(),
-            "dead_letters_distinct": dl_found.len(),
-            "dead_letters_missing": dl_missing.len(),
-            "dead_letters_wrong": dl_wrong.len(),
-            "dead_letter_kinds_expected_actual": kinds,
-            "audit_exit_code": audit_code,
-            "audit": audit,
-            "committed_to_end": committed_to_end,
-            "committed": committed,
-            "sigterm_exit_codes": self.exit_codes,
-            "failures": self.failures,
-            "notes": self.notes,
-        });
-        let text = serde_json::to_string_pretty(&report).unwrap();
-        let dir = report_dir();
-        std::fs::create_dir_all(&dir).expect("report dir");
-        let path = dir.join(format!("{}.json", self.name));
-        std::fs::write(&path, &text).expect("write report");
-        eprintln!("chaos report {}:\n{text}", path.display());
-        for (what, list) in [
-            (
-                "lost",
-                lost.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
-            ),
-            ("unexpected", unexpected.clone()),
-            ("out of order", order_violations.clone()),
-            ("dead letters wrong", dl_wrong.clone()),
-            (
-                "dead letters missing",
-                dl_missing.iter().map(|i| format!("record {i}")).collect(),
-            ),
-        ] {
-            for item in list.iter().take(10) {
-                eprintln!("{what}: {item}");
-            }
-        }
-
-        assert!(
-            self.failures.is_empty(),
-            "failed checks: {:?}",
-            self.failures
-        );
-        assert_eq!(lost.len(), 0, "trades lost");
-        assert_eq!(duplicated, 0, "trades duplicated");
-        assert!(unexpected.is_empty(), "trades stored that should not be");
-        assert!(order_violations.is_empty(), "partition order broken");
-        assert_eq!(stored, trades_expected);
-        assert_eq!(audit_code, Some(0), "tradebucket audit exits 0");
-        assert_eq!(audit_violations, Some(0), "audit clean");
-        assert_eq!(audit.get("trades").copied(), Some(trades_expected as u64));
-        assert_eq!(
-            dl.len(),
-            bad_expected.len(),
-            "dead letters: exactly the bad events"
-        );
-        assert!(
-            dl_missing.is_empty() && dl_wrong.is_empty(),
-            "dead letters wrong"
-        );
-        assert!(committed_to_end, "committed {committed:?} short of the end");
-        assert!(
-            self.exit_codes.iter().all(|c| *c == Some(0)),
-            "every SIGTERM exits 0: {:?}",
-            self.exit_codes
-        );
-        // Leave nothing behind: the private servers go with the stack.
-        let _ = std::fs::remove_dir_all(report_dir().join("logs").join(self.name));
     }
 }

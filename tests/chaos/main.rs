@@ -11,9 +11,7 @@
 //! own servers, but six servers and several workers on two cores at once
 //! would measure the machine, not the product.
 
-#[path = "../it/helpers.rs"]
-mod helpers;
-
 mod fuzz;
 mod harness;
 mod scenarios;
+mod verdict;

@@ -10,8 +10,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
+use testkit::{free_port, http_get, poll_until, WorkerProcess};
+
 use crate::harness::*;
-use crate::helpers::*;
+use crate::verdict::committed_but_not_stored;
 
 /// The broker keeps a kill -9'd member registered for its session (30 s in
 /// the scenarios' worker settings) and hands its partitions to nobody
@@ -58,7 +60,7 @@ async fn s1_crash_loop_kill9_at_random_moments() {
         // whole ingest and some are always left for the last ones.
         let share = rng.random_range(0.1..0.9) / (kills - k) as f64;
         let target = from + (((total - from) as f64) * share).max(1.0) as i64;
-        let progressed = wait_for(Duration::from_secs(120), || {
+        let progressed = poll_until(Duration::from_secs(120), POLL, || async {
             s.stack.committed_total() >= target
         })
         .await;
@@ -78,13 +80,7 @@ async fn s1_crash_loop_kill9_at_random_moments() {
         }
         s.fault(format!("kill -9 worker at {at}/{total} committed"));
         not_stored.extend(committed_but_not_stored(&s.stack, &recs, &placed).await);
-        let settings = s
-            .stack
-            .env
-            .settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", &CAPACITY.to_string())]);
-        let audit = tradebucket::cli::audit(&settings, None)
-            .await
-            .expect("audit");
+        let audit = s.stack.env.audit(CAPACITY).await;
         audits_after_kill.push(audit.violations.len());
         let rest = SESSION_EXPIRY.saturating_sub(killed_at.elapsed());
         tokio::time::sleep(rest).await;
@@ -132,7 +128,10 @@ async fn s2_group_rolling_restarts_and_a_kill() {
     );
     let mut workers: Vec<Option<WorkerProcess>> = (0..3).map(|_| Some(s.fleet.start())).collect();
     let mut rng = StdRng::seed_from_u64(202);
-    wait_for(Duration::from_secs(60), || s.stack.committed_total() > 0).await;
+    poll_until(Duration::from_secs(60), POLL, || async {
+        s.stack.committed_total() > 0
+    })
+    .await;
     for round in 0..rounds {
         for (i, slot) in workers.iter_mut().enumerate() {
             tokio::time::sleep(Duration::from_millis(rng.random_range(1000..3000))).await;
@@ -186,7 +185,7 @@ async fn s3_broker_kill9_and_restart() {
     for k in 0..restarts {
         // Mid-ingest of what has been produced so far.
         let target = (placed.len() as f64 * rng.random_range(0.3..0.8)) as i64;
-        wait_for(Duration::from_secs(120), || {
+        poll_until(Duration::from_secs(120), POLL, || async {
             s.stack.committed_total() >= target
         })
         .await;
@@ -203,6 +202,32 @@ async fn s3_broker_kill9_and_restart() {
         placed.extend(more);
     }
     s.finish(vec![w], &recs, &placed).await;
+}
+
+/// Asks `readyz` every 500 ms until `end`: how many probes, how many
+/// answered not ready, and the distinct answers other than 200.
+async fn probe_readyz_until(
+    readyz: &str,
+    end: Instant,
+) -> (usize, usize, std::collections::BTreeSet<String>) {
+    let mut not_ready = 0;
+    let mut reasons = std::collections::BTreeSet::new();
+    let mut probes = 0;
+    while Instant::now() < end {
+        probes += 1;
+        match http_get(readyz).await {
+            Some((200, _)) => {}
+            Some((code, body)) => {
+                not_ready += 1;
+                reasons.insert(format!("{code} {}", body.trim()));
+            }
+            None => {
+                reasons.insert("no answer".to_string());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    (probes, not_ready, reasons)
 }
 
 /// 4. The database stopped mid-stream and restarted on its data: the worker
@@ -227,20 +252,17 @@ async fn s4_database_outage() {
         .start_with(&[("TRADEBUCKET__HTTP__LISTEN", format!("127.0.0.1:{port}"))]);
     let readyz = format!("http://127.0.0.1:{port}/readyz");
     let ready = |body: Option<(u16, String)>| matches!(body, Some((200, _)));
-    let was_ready = {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut ok = false;
-        while Instant::now() < deadline && !ok {
-            ok = ready(http_get(&readyz).await);
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        ok
-    };
+    let was_ready = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async { ready(http_get(&readyz).await) },
+    )
+    .await;
     if !was_ready {
         s.failures.push("never ready before the outage".into());
     }
     let target = (half as f64 * 0.3) as i64;
-    wait_for(Duration::from_secs(120), || {
+    poll_until(Duration::from_secs(120), POLL, || async {
         s.stack.committed_total() >= target
     })
     .await;
@@ -263,36 +285,19 @@ async fn s4_database_outage() {
     // that, nothing may.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let frozen = s.stack.committed_total();
-    let mut not_ready = 0;
-    let mut reasons = std::collections::BTreeSet::new();
-    let mut probes = 0;
-    while stopped.elapsed() < outage {
-        probes += 1;
-        match http_get(&readyz).await {
-            Some((200, _)) => {}
-            Some((code, body)) => {
-                not_ready += 1;
-                reasons.insert(format!("{code} {}", body.trim()));
-            }
-            None => {
-                reasons.insert("no answer".to_string());
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let (probes, not_ready, reasons) = probe_readyz_until(&readyz, stopped + outage).await;
     let committed_during = s.stack.committed_total() - frozen;
     placed.extend(producer.await.expect("producer task"));
     s.stack.mongo.restart().await;
     let back = Instant::now();
     s.fault("database restarted on the same data".into());
-    let mut recovered = None;
-    while back.elapsed() < Duration::from_secs(120) {
-        if ready(http_get(&readyz).await) {
-            recovered = Some(back.elapsed().as_secs_f64());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let recovered = poll_until(
+        Duration::from_secs(120),
+        Duration::from_millis(200),
+        || async { ready(http_get(&readyz).await) },
+    )
+    .await
+    .then(|| back.elapsed().as_secs_f64());
     s.note("readyz_probes_during_outage", json!(probes));
     s.note("readyz_not_ready_during_outage", json!(not_ready));
     s.note("readyz_reasons", json!(reasons));
@@ -388,7 +393,7 @@ async fn s7_unfriendly_keys() {
     );
     let a = s.fleet.start();
     let b = s.fleet.start();
-    wait_for(Duration::from_secs(60), || {
+    poll_until(Duration::from_secs(60), POLL, || async {
         s.stack.committed_total() > (n / 20) as i64
     })
     .await;

@@ -1,9 +1,13 @@
 //! Integration tests against real Kafka-protocol and MongoDB-protocol
-//! servers (see `helpers` for which). One crate so they share one build.
-
-mod helpers;
+//! servers (`testkit::env` says which). One crate so they share one build.
 
 mod ops;
 mod pipeline;
 mod plumbing;
 mod writer;
+
+/// The binary under test: only the root package's tests know its path, so
+/// the test kit takes it as a parameter.
+fn bin() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_BIN_EXE_tradebucket"))
+}

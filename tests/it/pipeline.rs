@@ -6,11 +6,13 @@ use std::time::Duration;
 use mongodb::bson::{doc, Bson, Regex};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use serde_json::json;
 
-use crate::helpers::*;
+use testkit::*;
 use tradebucket::event::CustomerId;
+
+use crate::bin;
 
 const T: Duration = Duration::from_secs(60);
 const TICKERS: [&str; 3] = ["MDB", "MSFT", "GOOG"];
@@ -24,15 +26,15 @@ pub(crate) fn stream(seed: u64, n: usize, customers: i64) -> Vec<serde_json::Val
         .map(|i| {
             secs += rng.random_range(-2..3);
             let c = rng.random_range(0..customers);
-            json!({
-                "tradeId": format!("s{seed}-{i}"),
-                "customerId": c,
-                "type": if i % 3 == 0 { "sell" } else { "buy" },
-                "ticker": TICKERS[i % 3],
-                "qty": 1 + i,
-                "price": format!("{}.{:02}", 10 + i, i % 100),
-                "date": secs * 1000 + (i as i64 % 1000),
-            })
+            trade(format!("s{seed}-{i}"))
+                .customer(c)
+                .side(if i % 3 == 0 { "sell" } else { "buy" })
+                .ticker(TICKERS[i % 3])
+                .qty(1 + i)
+                .price(format!("{}.{:02}", 10 + i, i % 100))
+                .no_currency()
+                .date(secs * 1000 + (i as i64 % 1000))
+                .json()
         })
         .collect()
 }
@@ -56,18 +58,24 @@ fn expected_histories(events: &[serde_json::Value]) -> BTreeMap<String, Vec<Stri
 #[tokio::test]
 async fn the_manual_example_lands_in_the_manual_buckets_with_true_utc_ids() {
     let env = TestEnv::new("manual", 1).await;
-    let mut goog = trade("M-3", json!(456), "GOOG", 50, "2023-10-31T11:16:02.120Z");
+    let at = |id: &str, customer: i64, ticker: &str, qty: u32, date: &str| {
+        trade(id)
+            .customer(customer)
+            .ticker(ticker)
+            .qty(qty)
+            .date(date)
+    };
+    let mut goog = at("M-3", 456, "GOOG", 50, "2023-10-31T11:16:02.120Z").json();
     // The manual's flat trades say `quantity`; it is accepted as `qty`.
     let q = goog.as_object_mut().unwrap().remove("qty").unwrap();
     goog["quantity"] = q;
     goog["type"] = json!("buy");
-    let mut sell = trade("M-2", json!(123), "MDB", 29, "2023-10-30T09:32:57.765Z");
-    sell["type"] = json!("sell");
+    let sell = at("M-2", 123, "MDB", 29, "2023-10-30T09:32:57.765Z").side("sell");
     env.produce_json(&[
-        trade("M-1", json!(123), "MDB", 419, "2023-10-26T15:47:03.434Z"),
-        sell,
+        at("M-1", 123, "MDB", 419, "2023-10-26T15:47:03.434Z").json(),
+        sell.json(),
         goog,
-        trade("M-4", json!(123), "MSFT", 42, "2023-11-02T11:43:10Z"),
+        at("M-4", 123, "MSFT", 42, "2023-11-02T11:43:10Z").json(),
     ])
     .await;
     let worker = Worker::spawn(env.settings(&[]));
@@ -115,6 +123,13 @@ async fn the_manual_example_lands_in_the_manual_buckets_with_true_utc_ids() {
     );
     assert_eq!(buckets[1].get_i64("count").unwrap(), 1);
 
+    the_manual_queries_read_customer_123(&env).await;
+    env.cleanup().await;
+}
+
+/// The manual's page query, `tradebucket page` and the keyword search by
+/// ticker, on the manual example's buckets.
+async fn the_manual_queries_read_customer_123(env: &TestEnv) {
     // The manual's page query works unchanged...
     let store = env.store().await;
     let page1 = store
@@ -146,7 +161,6 @@ async fn the_manual_example_lands_in_the_manual_buckets_with_true_utc_ids() {
         .await
         .unwrap();
     assert_eq!(msft, 1);
-    env.cleanup().await;
 }
 
 #[tokio::test]
@@ -193,11 +207,9 @@ async fn redelivery_and_upstream_duplicates_store_each_trade_once() {
             &format!("{}-replay", env.group),
         ),
     ]));
-    let replay_env = TestEnv {
-        group: format!("{}-replay", env.group),
-        ..env_clone(&env)
-    };
-    replay_env.wait_committed_to_end(T).await;
+    env.with_group(&format!("{}-replay", env.group))
+        .wait_committed_to_end(T)
+        .await;
     replay.stop().await;
     assert_eq!(
         env.histories().await,
@@ -208,27 +220,9 @@ async fn redelivery_and_upstream_duplicates_store_each_trade_once() {
     env.cleanup().await;
 }
 
-fn env_clone(env: &TestEnv) -> TestEnv {
-    TestEnv {
-        kafka: env.kafka.clone(),
-        mongo_uri: env.mongo_uri.clone(),
-        db: env.db.clone(),
-        topic: env.topic.clone(),
-        dlq: env.dlq.clone(),
-        group: env.group.clone(),
-        partitions: env.partitions,
-    }
-}
-
-#[tokio::test]
-async fn bad_input_is_dead_lettered_with_its_reason_and_never_blocks() {
-    let env = TestEnv::new("dlq", 1).await;
-    let good = |i: usize| {
-        trade(&format!("g{i}"), json!(7), "MDB", 1, "2024-01-01T00:00:00Z")
-            .to_string()
-            .into_bytes()
-    };
-    let bad: Vec<(&str, Vec<u8>)> = vec![
+/// Eight kinds of bad input: (the dead-letter kind expected, payload).
+fn bad_inputs() -> Vec<(&'static str, Vec<u8>)> {
+    vec![
         ("not_json", b"not json".to_vec()),
         (
             "invalid_field",
@@ -253,7 +247,48 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_never_blocks() {
             "oversize",
             format!(r#"{{"pad":"{}"}}"#, "x".repeat(70_000)).into_bytes(),
         ),
-    ];
+    ]
+}
+
+/// Dead letter `m` of bad input `i` carries its kind, a message, its
+/// source, and the original key, payload and headers.
+fn assert_dead_letter(
+    env: &TestEnv,
+    i: usize,
+    (kind, payload): &(&str, Vec<u8>),
+    offset: i64,
+    m: &rdkafka::message::OwnedMessage,
+) {
+    let header = |name: &str| header(m, name).unwrap_or_else(|| panic!("no header {name}"));
+    assert_eq!(header("tradebucket.error.kind"), *kind, "record {i}");
+    assert!(!header("tradebucket.error.message").is_empty());
+    assert_eq!(header("tradebucket.source.topic"), env.topic);
+    assert_eq!(header("tradebucket.source.partition"), "0");
+    assert_eq!(header("tradebucket.source.offset"), offset.to_string());
+    assert_eq!(header("trace"), format!("t{i}"), "original headers kept");
+    assert_eq!(
+        m.key(),
+        Some(format!("bad-{i}").as_bytes()),
+        "original key kept"
+    );
+    assert_eq!(
+        m.payload().unwrap_or_default(),
+        payload.as_slice(),
+        "original payload kept"
+    );
+}
+
+#[tokio::test]
+async fn bad_input_is_dead_lettered_with_its_reason_and_never_blocks() {
+    let env = TestEnv::new("dlq", 1).await;
+    let good = |i: usize| {
+        trade(format!("g{i}"))
+            .customer(7)
+            .qty(1)
+            .date("2024-01-01T00:00:00Z")
+            .payload()
+    };
+    let bad = bad_inputs();
     let mut messages = Vec::new();
     for (i, (_, payload)) in bad.iter().enumerate() {
         messages.push(Produced {
@@ -287,34 +322,8 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_never_blocks() {
 
     let dl = env.dead_letters(bad.len(), T).await;
     assert_eq!(dl.len(), bad.len());
-    for (i, ((kind, payload), m)) in bad.iter().zip(&dl).enumerate() {
-        let header = |name: &str| {
-            let h = m.headers().expect("headers");
-            h.iter()
-                .find(|h| h.key == name)
-                .and_then(|h| h.value)
-                .map(|v| String::from_utf8_lossy(v).to_string())
-                .unwrap_or_else(|| panic!("no header {name}"))
-        };
-        assert_eq!(header("tradebucket.error.kind"), *kind, "record {i}");
-        assert!(!header("tradebucket.error.message").is_empty());
-        assert_eq!(header("tradebucket.source.topic"), env.topic);
-        assert_eq!(header("tradebucket.source.partition"), "0");
-        assert_eq!(
-            header("tradebucket.source.offset"),
-            offsets[2 * i + 1].1.to_string()
-        );
-        assert_eq!(header("trace"), format!("t{i}"), "original headers kept");
-        assert_eq!(
-            m.key(),
-            Some(format!("bad-{i}").as_bytes()),
-            "original key kept"
-        );
-        assert_eq!(
-            m.payload().unwrap_or_default(),
-            payload.as_slice(),
-            "original payload kept"
-        );
+    for (i, (input, m)) in bad.iter().zip(&dl).enumerate() {
+        assert_dead_letter(&env, i, input, offsets[2 * i + 1].1, m);
     }
     let report = audit_clean(&env, 10).await;
     assert_eq!(
@@ -332,9 +341,11 @@ async fn an_unwritable_dead_letter_topic_holds_the_partition_until_it_heals() {
     env.produce(&[
         Produced {
             payload: Some(
-                trade("a", json!(1), "MDB", 1, "2024-01-01T00:00:00Z")
-                    .to_string()
-                    .into_bytes(),
+                trade("a")
+                    .customer(1)
+                    .qty(1)
+                    .date("2024-01-01T00:00:00Z")
+                    .payload(),
             ),
             ..Produced::default()
         },
@@ -344,9 +355,11 @@ async fn an_unwritable_dead_letter_topic_holds_the_partition_until_it_heals() {
         },
         Produced {
             payload: Some(
-                trade("b", json!(1), "MDB", 1, "2024-01-01T00:00:01Z")
-                    .to_string()
-                    .into_bytes(),
+                trade("b")
+                    .customer(1)
+                    .qty(1)
+                    .date("2024-01-01T00:00:01Z")
+                    .payload(),
             ),
             ..Produced::default()
         },
@@ -390,7 +403,7 @@ async fn crashes_at_any_moment_lose_nothing_and_double_nothing() {
         .collect();
     let mut rng = StdRng::seed_from_u64(5);
     for _ in 0..3 {
-        let w = WorkerProcess::start(&vars);
+        let w = WorkerProcess::start(bin(), &vars, Log::Quiet);
         tokio::time::sleep(Duration::from_millis(rng.random_range(1500..4000))).await;
         w.kill9();
         // Let the dead member's session (10 s here) expire before the
@@ -411,7 +424,7 @@ async fn crashes_at_any_moment_lose_nothing_and_double_nothing() {
         }
         audit_clean(&env, 5).await;
     }
-    let w = WorkerProcess::start(&vars);
+    let w = WorkerProcess::start(bin(), &vars, Log::Quiet);
     env.wait_committed_to_end(T).await;
     w.signal(15);
     assert_eq!(w.wait(Duration::from_secs(30)), Some(0));
@@ -427,7 +440,7 @@ async fn sigterm_drains_commits_and_exits_zero() {
     let events = stream(31, 3000, 50);
     env.produce_json(&events).await;
     let vars = env.vars(&[("TRADEBUCKET__BATCH__MAX_EVENTS", "100")]);
-    let w = WorkerProcess::start(&vars);
+    let w = WorkerProcess::start(bin(), &vars, Log::Quiet);
     eventually("some trades written", T, || async {
         !env.histories().await.is_empty()
     })
@@ -447,7 +460,7 @@ async fn sigterm_drains_commits_and_exits_zero() {
         stored as i64, committed_total,
         "after a drain, stored == committed"
     );
-    let w = WorkerProcess::start(&vars);
+    let w = WorkerProcess::start(bin(), &vars, Log::Quiet);
     env.wait_committed_to_end(T).await;
     w.signal(2);
     assert_eq!(w.wait(Duration::from_secs(20)), Some(0), "SIGINT too");
@@ -508,12 +521,7 @@ async fn unfriendly_keys_and_zombie_writers_still_store_each_trade_once_in_parti
         ("TRADEBUCKET__KAFKA__GROUP_ID", &b_group),
     ]));
     env.wait_committed_to_end(T).await;
-    TestEnv {
-        group: b_group,
-        ..env_clone(&env)
-    }
-    .wait_committed_to_end(T)
-    .await;
+    env.with_group(&b_group).wait_committed_to_end(T).await;
     a.stop().await;
     b.stop().await;
 
@@ -581,18 +589,7 @@ async fn a_rebalance_mid_stream_loses_and_doubles_nothing() {
 #[tokio::test]
 async fn a_broker_crash_and_restart_heals_without_loss_or_duplicates() {
     let mut kafka = PrivateKafka::start().await;
-    let base = unique("broker");
-    let env = TestEnv {
-        kafka: kafka.brokers(),
-        mongo_uri: mongodb_uri(),
-        db: base.replace('-', "_"),
-        topic: format!("{base}.trades"),
-        dlq: format!("{base}.trades.dlq"),
-        group: format!("{base}-group"),
-        partitions: 2,
-    };
-    create_topic(&env.kafka, &env.topic, 2).await;
-    create_topic(&env.kafka, &env.dlq, 1).await;
+    let env = TestEnv::on(kafka.brokers(), mongodb_uri(), "broker", 2).await;
     let events = stream(71, 2000, 30);
     env.produce_json(&events[..1000]).await;
     let worker = Worker::spawn(env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "5")]));
@@ -634,13 +631,10 @@ async fn a_write_mongodb_refuses_dead_letters_only_the_offending_events() {
     let dl = env.dead_letters(4, T).await;
     assert_eq!(dl.len(), 4);
     for m in &dl {
-        let kind = m
-            .headers()
-            .unwrap()
-            .iter()
-            .find(|h| h.key == "tradebucket.error.kind")
-            .unwrap();
-        assert_eq!(kind.value, Some(&b"rejected_by_database"[..]));
+        assert_eq!(
+            header(m, "tradebucket.error.kind").as_deref(),
+            Some("rejected_by_database")
+        );
         let e: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
         assert_eq!(e["ticker"], "BAD");
     }

@@ -9,7 +9,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 
-use crate::helpers::{Produced, TestEnv};
+use testkit::{Produced, TestEnv};
 
 #[tokio::test]
 async fn kafka_and_mongodb_round_trip() {

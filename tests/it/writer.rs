@@ -1,9 +1,7 @@
 //! The bucket writer against the real MongoDB-protocol server: what one
 //! batch costs when some of its new buckets are refused.
 
-use serde_json::json;
-
-use crate::helpers::*;
+use testkit::*;
 use tradebucket::bucket::writer::{BucketWriter, Outcome};
 use tradebucket::event::{decode, Source, Trade};
 use tradebucket::metrics::Metrics;
@@ -16,11 +14,14 @@ fn event(id: &str, customer: i64, offset: i64, topic: &str) -> (Trade, Source) {
         partition: 0,
         offset,
     };
-    let payload = json!({
-        "tradeId": id, "customerId": customer, "type": "buy", "ticker": "MDB",
-        "qty": 1, "price": "10.50", "date": 1_700_000_000_000i64 + offset * 1000,
-    });
-    let trade = decode(Some(payload.to_string().as_bytes()), &source, 1 << 20)
+    let payload = trade(id)
+        .customer(customer)
+        .qty(1)
+        .price("10.50")
+        .no_currency()
+        .date(1_700_000_000_000i64 + offset * 1000)
+        .payload();
+    let trade = decode(Some(&payload), &source, 1 << 20)
         .unwrap_or_else(|r| panic!("test event {id} rejected: {r:?}"));
     (trade, source)
 }

@@ -1,0 +1,36 @@
+//! What tradebucket's integration tests (`tests/it`), chaos suite
+//! (`tests/chaos`) and benchmark (`benches/pipeline.rs`) share, so each
+//! exists once:
+//!
+//! - [`event`]: the one builder of valid trade events;
+//! - [`poll`]: the one polling helper (`eventually`, `poll_until`);
+//! - [`settings`]: the only place the kit turns worker variables into
+//!   `tradebucket::config::Settings`;
+//! - [`env`]: a test's own topic, dead-letter topic, group and database on
+//!   the shared or a private stack, producing and reading back;
+//! - [`worker`]: the worker in this process, stopped through its token;
+//! - [`process`]: the real `tradebucket` binary as a child process (kill
+//!   -9, SIGTERM, exit codes, log files) and `audit --json`;
+//! - [`servers`]: private MongoDB-protocol, Kafka-protocol and Prometheus
+//!   servers, free ports, HTTP probes.
+//!
+//! The binary's path is always a parameter: `CARGO_BIN_EXE_tradebucket`
+//! exists only in the root package's tests and benches, not here.
+
+pub mod env;
+pub mod event;
+pub mod poll;
+pub mod process;
+pub mod servers;
+pub mod settings;
+pub mod worker;
+
+pub use env::{
+    admin, audit_clean, create_topic, header, kafka_brokers, mongodb_uri, produce_fast, unique,
+    Produced, TestEnv,
+};
+pub use event::{trade, TradeEvent};
+pub use poll::{eventually, poll_until};
+pub use process::{audit_json, Fleet, Log, WorkerProcess};
+pub use servers::{free_port, http_get, PrivateKafka, PrivateMongo, Prometheus};
+pub use worker::Worker;

@@ -1,0 +1,289 @@
+//! Servers of a test's own, for tests that stop, kill or restart them
+//! without disturbing the shared stack: a MongoDB-protocol server
+//! (secantusd-rs) and a Kafka-protocol broker (Tansu) from the stack's
+//! tools folder, and Prometheus; plus free ports and HTTP probes.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use mongodb::bson::doc;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+
+use crate::env::unique;
+use crate::poll::{eventually, poll_until};
+
+/// Where `scripts/stack install` put the servers.
+fn tools_dir() -> PathBuf {
+    let tools = std::env::var("TRADEBUCKET_TOOLS").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/tradebucket/tools",
+            std::env::var("HOME").unwrap_or_default()
+        )
+    });
+    PathBuf::from(tools)
+}
+
+/// `scripts/stack` of the repository. `CARGO_MANIFEST_DIR` is the kit's own
+/// directory (`<repo>/testkit`), hence the `..`: the script is the root
+/// package's, and the kit lives inside that repository by design.
+fn stack_script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/stack")
+}
+
+/// A port free at the time of asking (for servers that need it up front).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// GET `url`: (status, body), or `None` when nothing answers.
+pub async fn http_get(url: &str) -> Option<(u16, String)> {
+    let response = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.ok()?))
+}
+
+/// A fresh data directory under the system's temporary one.
+fn data_dir(what: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(unique(what));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{dir:?}: {e}"));
+    dir
+}
+
+/// A private MongoDB-protocol server, restartable on the same port and data.
+pub struct PrivateMongo {
+    pub port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl PrivateMongo {
+    pub fn binary() -> PathBuf {
+        tools_dir().join("secantus-0.5.3-beta.196/bin/secantusd-rs")
+    }
+
+    pub async fn start() -> PrivateMongo {
+        let mut m = PrivateMongo {
+            port: free_port(),
+            dir: data_dir("mongo"),
+            child: None,
+        };
+        m.restart().await;
+        m
+    }
+
+    pub fn uri(&self) -> String {
+        format!("mongodb://127.0.0.1:{}/?directConnection=true", self.port)
+    }
+
+    /// Starts the server on the same port and data, and waits until it answers.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let child = Command::new(Self::binary())
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
+            .arg("--storage-path")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "start {:?}: {e} (scripts/stack install builds it)",
+                    Self::binary()
+                )
+            });
+        self.child = Some(child);
+        let client = mongodb::Client::with_uri_str(self.uri()).await.unwrap();
+        let admin = client.database("admin");
+        eventually("private MongoDB up", Duration::from_secs(30), || async {
+            admin.run_command(doc! {"ping": 1}).await.is_ok()
+        })
+        .await;
+    }
+
+    /// SIGTERM and wait for exit: this server loses acknowledged writes on
+    /// kill -9 (STACK.md), which would test the surrogate, not us.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(child.id().to_string())
+                .status();
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while child.try_wait().unwrap().is_none() {
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+impl Drop for PrivateMongo {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A private Kafka-protocol broker (sqlite storage), restartable on the
+/// same port and data.
+pub struct PrivateKafka {
+    pub port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl PrivateKafka {
+    fn binary() -> PathBuf {
+        tools_dir().join("tansu-0.6.0/bin/tansu")
+    }
+
+    pub async fn start() -> PrivateKafka {
+        let mut k = PrivateKafka {
+            port: free_port(),
+            dir: data_dir("kafka"),
+            child: None,
+        };
+        k.restart().await;
+        k
+    }
+
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the broker on the same port and data; waits until it answers.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        // The sqlite path is relative to the working directory (STACK.md).
+        let child = Command::new(Self::binary())
+            .current_dir(&self.dir)
+            .args(["broker", "--listener-url", &url])
+            .args(["--advertised-listener-url", &url])
+            .args(["--storage-engine", "sqlite://tansu.db"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {:?}: {e}", Self::binary()));
+        self.child = Some(child);
+        let brokers = self.brokers();
+        let up = poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
+            let probe: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .create()
+                .expect("client");
+            async move { probe.fetch_metadata(None, Duration::from_secs(2)).is_ok() }
+        })
+        .await;
+        assert!(up, "private Kafka did not come up");
+        // The index Tansu's per-record header lookup lacks; without it a
+        // topic with headers (every dead letter has them) makes each fetch
+        // scan all headers per record and the broker stalls for minutes
+        // (scripts/stack explains).
+        let db = self.dir.join("tansu.db");
+        let status = Command::new(stack_script())
+            .arg("index-kafka")
+            .arg(&db)
+            .status()
+            .expect("run scripts/stack index-kafka");
+        assert!(status.success(), "index-kafka {db:?}: {status}");
+    }
+
+    /// kill -9, and wait until the process is gone (the port is free).
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateKafka {
+    fn drop(&mut self) {
+        self.kill9();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A real Prometheus (Debian's package, installed by scripts/stack) of the
+/// test's own, scraping `target` every second.
+pub struct Prometheus {
+    pub port: u16,
+    dir: PathBuf,
+    child: Child,
+}
+
+impl Prometheus {
+    pub async fn start(target: &str) -> Prometheus {
+        let port = free_port();
+        let dir = data_dir("prometheus");
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 scrape_configs:\n  - job_name: tradebucket\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("start prometheus: {e} (scripts/stack install installs Debian's package)")
+            });
+        let p = Prometheus { port, dir, child };
+        let ready = format!("http://127.0.0.1:{port}/-/ready");
+        eventually("Prometheus ready", Duration::from_secs(30), || async {
+            matches!(http_get(&ready).await, Some((200, _)))
+        })
+        .await;
+        p
+    }
+
+    /// The value of an instant query returning one sample, if it returns one.
+    pub async fn query(&self, promql: &str) -> Option<f64> {
+        let url = format!("http://127.0.0.1:{}/api/v1/query", self.port);
+        let body: serde_json::Value = reqwest::Client::new()
+            .get(&url)
+            .query(&[("query", promql)])
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        let result = body["data"]["result"].as_array()?;
+        if result.len() != 1 {
+            return None;
+        }
+        result[0]["value"][1].as_str()?.parse().ok()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
