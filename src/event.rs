@@ -635,7 +635,30 @@ fn check_field_name(name: &str) -> Result<(), Reject> {
     Ok(())
 }
 
+/// MongoDB stores documents nested at most 100 levels deep, counting every
+/// object and array, the document itself included. A trade's extra field
+/// sits at level 4 (bucket, `history` array, entry, field value), so its
+/// value may hold at most this many levels of objects and arrays. Deeper
+/// would pass here and be refused by the server for the whole write.
+pub const MAX_EXTRA_NESTING: usize = 97;
+
+/// Checks the names inside an extra field's value, and its depth.
 fn check_nested_names(value: &serde_json::Value, path: &str) -> Result<(), Reject> {
+    check_nested(value, path, 0)
+}
+
+/// `depth`: the objects and arrays around `value` inside the extra field.
+fn check_nested(value: &serde_json::Value, path: &str, depth: usize) -> Result<(), Reject> {
+    let is_container = matches!(
+        value,
+        serde_json::Value::Object(_) | serde_json::Value::Array(_)
+    );
+    if is_container && depth + 1 > MAX_EXTRA_NESTING {
+        return Err(field_err(
+            path,
+            &format!("nests more than {MAX_EXTRA_NESTING} levels of objects and arrays, deeper than MongoDB stores"),
+        ));
+    }
     match value {
         serde_json::Value::Object(map) => {
             for (k, v) in map {
@@ -645,13 +668,13 @@ fn check_nested_names(value: &serde_json::Value, path: &str) -> Result<(), Rejec
                         "field names must be non-empty and contain no '$' prefix, '.' or NUL",
                     )
                 })?;
-                check_nested_names(v, &format!("{path}.{k}"))?;
+                check_nested(v, &format!("{path}.{k}"), depth + 1)?;
             }
             Ok(())
         }
-        serde_json::Value::Array(items) => {
-            items.iter().try_for_each(|v| check_nested_names(v, path))
-        }
+        serde_json::Value::Array(items) => items
+            .iter()
+            .try_for_each(|v| check_nested(v, path, depth + 1)),
         _ => Ok(()),
     }
 }

@@ -502,9 +502,9 @@ impl BucketWriter {
                 } else if !batch.outcomes[i].is_final() {
                     batch.outcomes[i] = Outcome::DeadLetter(Reject::new(
                         RejectKind::TradeIdConflict,
-                        format!(
-                            "trade {key} is already stored for another customer in {bucket_id}"
-                        ),
+                        // Not where: the other customer's bucket `_id`
+                        // would put their id in this producer's dead letter.
+                        format!("trade {key} is already stored for another customer"),
                     ));
                 }
             }

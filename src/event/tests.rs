@@ -313,3 +313,25 @@ proptest! {
         prop_assert_eq!(stored, (off_min != 0).then_some(off_min));
     }
 }
+
+/// `{"a":{"a":...{"a":1}}}` with `levels` objects, or arrays when `arrays`.
+fn nested(levels: usize, arrays: bool) -> String {
+    let (open, close) = if arrays { ("[", "]") } else { ("{\"a\":", "}") };
+    format!("{}1{}", open.repeat(levels), close.repeat(levels))
+}
+
+#[test]
+fn extras_nest_only_as_deep_as_a_bucket_can_store() {
+    use crate::event::MAX_EXTRA_NESTING;
+    for arrays in [false, true] {
+        let fits = ok(&with("note", Some(&nested(MAX_EXTRA_NESTING, arrays))));
+        // Bucket, history, entry, then the value's own levels: 100.
+        assert!(fits.entry().unwrap().contains_key("note"));
+        let e = rejected(&with("note", Some(&nested(MAX_EXTRA_NESTING + 1, arrays))));
+        assert_eq!(e.kind, RejectKind::InvalidField, "{e}");
+        assert!(
+            e.message.contains("note") && e.message.contains("deeper"),
+            "{e}"
+        );
+    }
+}

@@ -60,7 +60,7 @@ impl Intake for KafkaIntake {
             offset: m.offset(),
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec),
-            headers: kafka::copy_headers(m.headers()),
+            headers: kafka::headers::read(m.headers()),
             timestamp_ms: m.timestamp().to_millis(),
         })
     }

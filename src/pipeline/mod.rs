@@ -214,8 +214,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         }
     }
 
-    /// Fills a batch: up to `max_events` / `max_bytes`, or `linger` after
-    /// its first record, or until shutdown.
+    /// Fills a batch: up to `max_events` / `max_bytes` (payloads, keys and
+    /// headers), or `linger` after its first record, or until shutdown.
     async fn collect(&mut self, shutdown: &CancellationToken) -> Vec<Record> {
         let mut batch: Vec<Record> = Vec::new();
         let mut bytes = 0usize;
@@ -234,7 +234,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                 Ok(Err(e)) => self.consumer_error(&e),
                 Ok(Ok(record)) => {
                     self.tracker.consumed(&record.tp, record.offset);
-                    bytes += record.payload.as_ref().map_or(0, Vec::len);
+                    bytes += record.size();
                     batch.push(record);
                     let linger = self.settings.batch.linger;
                     deadline.get_or_insert_with(|| tokio::time::Instant::now() + linger);

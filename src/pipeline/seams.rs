@@ -14,6 +14,7 @@ use rdkafka::error::KafkaError;
 use crate::bucket::store::StoreError;
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::event::{Source, Trade};
+use crate::kafka::headers::Header;
 use crate::kafka::{DeadLetter, GroupEvent};
 use crate::offsets::TopicPartition;
 
@@ -24,9 +25,21 @@ pub struct Record {
     pub offset: i64,
     pub key: Option<Vec<u8>>,
     pub payload: Option<Vec<u8>>,
-    pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// Names and values as bytes: Kafka allows any (see `kafka::headers`).
+    pub headers: Vec<Header>,
     /// Kafka's timestamp (producer or broker time), for the delay metric.
     pub timestamp_ms: Option<i64>,
+}
+
+impl Record {
+    /// Bytes this record holds in memory: payload, key and headers. The
+    /// batch bound counts all of them, so records with small payloads and
+    /// large headers cannot grow a batch past it.
+    pub fn size(&self) -> usize {
+        let len = |b: &Option<Vec<u8>>| b.as_ref().map_or(0, Vec::len);
+        let headers: usize = self.headers.iter().map(|(n, v)| n.len() + len(v)).sum();
+        len(&self.payload) + len(&self.key) + headers
+    }
 }
 
 /// The consumer side: records in, offsets out.

@@ -158,9 +158,10 @@ struct Options {
     write_delay: Duration,
     dead_letter_failures: usize,
     max_events: Option<usize>,
+    max_bytes: Option<usize>,
 }
 
-fn settings(max_events: Option<usize>) -> Settings {
+fn settings(max_events: Option<usize>, max_bytes: Option<usize>) -> Settings {
     let mut s = Settings::load_from(None, Some(BTreeMap::new())).unwrap();
     s.batch.linger = LINGER;
     s.shutdown.drain_timeout = DRAIN;
@@ -170,6 +171,9 @@ fn settings(max_events: Option<usize>) -> Settings {
     s.retry.randomization_factor = 0.0;
     if let Some(n) = max_events {
         s.batch.max_events = n;
+    }
+    if let Some(n) = max_bytes {
+        s.batch.max_bytes = n;
     }
     s
 }
@@ -202,7 +206,7 @@ impl Harness {
         health.subscribed.store(true, Ordering::Relaxed);
         health.mongodb_reachable.store(true, Ordering::Relaxed);
         let worker = Worker::new(
-            settings(o.max_events),
+            settings(o.max_events, o.max_bytes),
             intake,
             buckets,
             dead_letters,
@@ -428,4 +432,32 @@ async fn a_batch_finishing_within_the_drain_is_committed_at_shutdown() {
             (ms(2050), vec![], Mode::Sync),
         ]
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_batch_bound_counts_keys_and_headers_not_just_payloads() {
+    let h = Harness::start(
+        Options {
+            max_bytes: Some(4096),
+            ..Options::default()
+        },
+        &[0],
+    );
+    // Payloads of about 120 bytes, each record carrying 2 KiB of headers and
+    // a key: two records reach the bound, and the batch closes at once.
+    for offset in 0..5 {
+        let mut r = record(0, offset, true);
+        r.key = Some(vec![b'k'; 64]);
+        r.headers = vec![(b"trace".to_vec(), Some(vec![b'x'; 2048]))];
+        h.records.send(r).unwrap();
+    }
+    h.until(ms(10)).await;
+    assert_eq!(
+        h.writes(),
+        vec![(ms(0), vec![0, 1]), (ms(0), vec![2, 3])],
+        "full batches, without waiting for the linger"
+    );
+    h.until(ms(100)).await;
+    assert_eq!(h.writes()[2], (LINGER, vec![4]));
+    h.stop().await;
 }

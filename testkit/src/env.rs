@@ -18,7 +18,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::error::KafkaResult;
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
@@ -85,6 +85,9 @@ pub struct Produced {
     pub payload: Option<Vec<u8>>,
     pub partition: Option<i32>,
     pub headers: Vec<(String, String)>,
+    /// Headers whose names and values are any bytes (a Go or C producer can
+    /// send them), added after `headers`; `None`: a null value.
+    pub raw_headers: Vec<(Vec<u8>, Option<Vec<u8>>)>,
 }
 
 impl Produced {
@@ -96,6 +99,9 @@ impl Produced {
                 key: k,
                 value: Some(v.as_bytes()),
             });
+        }
+        for (k, v) in &self.raw_headers {
+            tradebucket::kafka::headers::add(&mut headers, k, v.as_deref());
         }
         let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(headers);
         if let Some(k) = &self.key {
@@ -149,11 +155,17 @@ pub async fn produce_fast<'a>(
 
 /// A header's value as text, if the message has it.
 pub fn header(m: &OwnedMessage, name: &str) -> Option<String> {
-    m.headers()?
-        .iter()
-        .find(|h| h.key == name)
-        .and_then(|h| h.value)
-        .map(|v| String::from_utf8_lossy(v).to_string())
+    headers_of(m)
+        .into_iter()
+        .find(|(k, _)| k == name.as_bytes())
+        .and_then(|(_, v)| v)
+        .map(|v| String::from_utf8_lossy(&v).to_string())
+}
+
+/// Every header of a message as bytes. (rdkafka's own `Headers::iter`
+/// panics on a name that is not UTF-8.)
+pub fn headers_of(m: &OwnedMessage) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+    tradebucket::kafka::headers::read(m.headers().map(|h| h.as_borrowed()))
 }
 
 /// One test's private slice of the servers.

@@ -26,8 +26,8 @@ pub mod settings;
 pub mod worker;
 
 pub use env::{
-    admin, audit_clean, create_topic, header, kafka_brokers, mongodb_uri, produce_fast, unique,
-    Produced, TestEnv,
+    admin, audit_clean, create_topic, header, headers_of, kafka_brokers, mongodb_uri, produce_fast,
+    unique, Produced, TestEnv,
 };
 pub use event::{trade, TradeEvent};
 pub use poll::{eventually, poll_until};

@@ -651,3 +651,59 @@ async fn a_write_mongodb_refuses_dead_letters_only_the_offending_events() {
     audit_clean(&env, 4).await;
     env.cleanup().await;
 }
+
+/// Kafka carries any bytes in header names and values (Go and C producers
+/// send them): rdkafka's own header API panicked on a name that is not
+/// UTF-8, which stopped the worker on every start. Headers never decide
+/// whether a trade is stored, and a producer cannot forge the headers a
+/// dead letter's reader trusts.
+#[tokio::test]
+async fn any_header_bytes_are_stored_around_and_forged_dead_letter_headers_are_dropped() {
+    let env = TestEnv::new("header-bytes", 1).await;
+    let odd: Vec<(Vec<u8>, Option<Vec<u8>>)> = vec![
+        (vec![0xff, 0xfe, b'k'], Some(vec![0xc3, 0x28])),
+        (b"nul\0key".to_vec(), None),
+        (Vec::new(), Some(Vec::new())),
+    ];
+    let mut messages: Vec<Produced> = (0..10)
+        .map(|i| Produced {
+            payload: Some(trade(format!("hb{i}")).customer(5).payload()),
+            raw_headers: if i % 3 == 0 { odd.clone() } else { Vec::new() },
+            ..Produced::default()
+        })
+        .collect();
+    messages.push(Produced {
+        payload: Some(b"not json".to_vec()),
+        headers: vec![
+            ("tradebucket.error.kind".into(), "forged".into()),
+            ("tradebucket.source.offset".into(), "0".into()),
+        ],
+        raw_headers: odd.clone(),
+        ..Produced::default()
+    });
+    let offsets = env.produce(&messages).await;
+    let worker = Worker::spawn(env.settings(&[]));
+    env.wait_committed_to_end(T).await;
+    let metrics = worker.stop().await;
+    assert_eq!(metrics.events_written.get(), 10);
+    let report = audit_clean(&env, 10).await;
+    assert_eq!(report.trades, 10);
+
+    let dl = env.dead_letters(1, T).await;
+    let headers = headers_of(&dl[0]);
+    let values = |name: &str| -> Vec<String> {
+        headers
+            .iter()
+            .filter(|(k, _)| k == name.as_bytes())
+            .map(|(_, v)| String::from_utf8_lossy(v.as_deref().unwrap_or_default()).to_string())
+            .collect()
+    };
+    assert_eq!(values("tradebucket.error.kind"), vec!["not_json"]);
+    let true_offset = offsets[10].1.to_string();
+    assert_eq!(values("tradebucket.source.offset"), vec![true_offset]);
+    // The producer's own odd headers travel with the dead letter, as bytes
+    // (the NUL-named one cut at the NUL by librdkafka's API).
+    assert!(headers.contains(&odd[0]), "{headers:?}");
+    assert!(headers.contains(&(b"nul".to_vec(), None)), "{headers:?}");
+    env.cleanup().await;
+}

@@ -19,8 +19,8 @@ use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::message::OwnedHeaders;
 use rdkafka::message::ToBytes;
-use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaErrorCode;
@@ -32,6 +32,8 @@ use crate::config::Settings;
 use crate::event::Reject;
 use crate::metrics::Metrics;
 use crate::offsets::TopicPartition;
+
+pub mod headers;
 
 /// Header names on dead-letter records.
 pub const H_ERROR_KIND: &str = "tradebucket.error.kind";
@@ -338,8 +340,8 @@ pub struct DeadLetter {
     pub offset: i64,
     pub key: Option<Vec<u8>>,
     pub payload: Option<Vec<u8>>,
-    /// The original record's headers, kept.
-    pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// The original record's headers, as bytes.
+    pub headers: Vec<headers::Header>,
     pub reject: Reject,
 }
 
@@ -349,27 +351,7 @@ pub async fn send_dead_letter(
     dlq_topic: &str,
     dl: &DeadLetter,
 ) -> Result<(), rdkafka::error::KafkaError> {
-    let mut headers = OwnedHeaders::new_with_capacity(dl.headers.len() + 5);
-    for (k, v) in &dl.headers {
-        headers = headers.insert(Header {
-            key: k,
-            value: v.as_deref(),
-        });
-    }
-    let partition = dl.partition.to_string();
-    let offset = dl.offset.to_string();
-    for (k, v) in [
-        (H_ERROR_KIND, dl.reject.kind.as_str()),
-        (H_ERROR_MESSAGE, dl.reject.message.as_str()),
-        (H_SOURCE_TOPIC, dl.topic.as_str()),
-        (H_SOURCE_PARTITION, partition.as_str()),
-        (H_SOURCE_OFFSET, offset.as_str()),
-    ] {
-        headers = headers.insert(Header {
-            key: k,
-            value: Some(v.as_bytes()),
-        });
-    }
+    let headers = dead_letter_headers(dl);
     let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(dlq_topic).headers(headers);
     if let Some(k) = &dl.key {
         record = record.key(k.as_slice());
@@ -384,15 +366,33 @@ pub async fn send_dead_letter(
         .map_err(|(e, _)| e)
 }
 
-/// Copies a message's headers (for dead letters).
-pub fn copy_headers<H: Headers>(headers: Option<&H>) -> Vec<(String, Option<Vec<u8>>)> {
-    headers
-        .map(|h| {
-            h.iter()
-                .map(|h| (h.key.to_string(), h.value.map(<[u8]>::to_vec)))
-                .collect()
-        })
-        .unwrap_or_default()
+/// The names of the headers tradebucket writes on a dead letter all start
+/// with this; nobody else's may.
+pub const OUR_HEADER_PREFIX: &[u8] = b"tradebucket.";
+
+/// The original record's headers, then ours. An inbound header in our
+/// namespace is left out: a producer could otherwise forge the error kind
+/// or the provenance a consumer of the dead letters trusts (and a header
+/// list can hold one name twice, so ours would not simply win).
+fn dead_letter_headers(dl: &DeadLetter) -> OwnedHeaders {
+    let mut out = OwnedHeaders::new_with_capacity(dl.headers.len() + 5);
+    for (name, value) in &dl.headers {
+        if !name.starts_with(OUR_HEADER_PREFIX) {
+            headers::add(&mut out, name, value.as_deref());
+        }
+    }
+    let partition = dl.partition.to_string();
+    let offset = dl.offset.to_string();
+    for (name, value) in [
+        (H_ERROR_KIND, dl.reject.kind.as_str()),
+        (H_ERROR_MESSAGE, dl.reject.message.as_str()),
+        (H_SOURCE_TOPIC, dl.topic.as_str()),
+        (H_SOURCE_PARTITION, partition.as_str()),
+        (H_SOURCE_OFFSET, offset.as_str()),
+    ] {
+        headers::add(&mut out, name.as_bytes(), Some(value.as_bytes()));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -482,5 +482,36 @@ mod tests {
             echoed > 0,
             "librdkafka no longer echoes values: this test checks nothing"
         );
+    }
+
+    #[test]
+    fn inbound_headers_cannot_forge_ours_and_any_bytes_are_kept() {
+        use crate::event::RejectKind;
+        let dl = DeadLetter {
+            topic: "trades".into(),
+            partition: 3,
+            offset: 41,
+            key: None,
+            payload: None,
+            headers: vec![
+                (b"trace-id".to_vec(), Some(b"abc".to_vec())),
+                (vec![0xff, 0x00], Some(vec![0xfe])),
+                (H_ERROR_KIND.as_bytes().to_vec(), Some(b"forged".to_vec())),
+                (H_SOURCE_OFFSET.as_bytes().to_vec(), Some(b"0".to_vec())),
+            ],
+            reject: Reject::new(RejectKind::NotJson, "bad"),
+        };
+        let out = headers::read(Some(dead_letter_headers(&dl).as_borrowed()));
+        let text = |n: &str| -> Vec<Vec<u8>> {
+            out.iter()
+                .filter(|(k, _)| k == n.as_bytes())
+                .filter_map(|(_, v)| v.clone())
+                .collect()
+        };
+        assert_eq!(text(H_ERROR_KIND), vec![b"not_json".to_vec()]);
+        assert_eq!(text(H_SOURCE_OFFSET), vec![b"41".to_vec()]);
+        assert_eq!(text("trace-id"), vec![b"abc".to_vec()]);
+        // A NUL in a name: librdkafka's API cuts it there (see `headers`).
+        assert!(out.contains(&(vec![0xff], Some(vec![0xfe]))), "{out:?}");
     }
 }
