@@ -13,7 +13,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 mod secret;
 
-pub use secret::{redact_uri, Scrubber, REDACTED};
+pub use secret::{redact_uri, Scrubber, REDACTED, SECRET_KAFKA_OPTIONS};
 
 /// The defaults, exactly as documented for operators.
 pub const DEFAULT_TOML: &str = include_str!("../../config/default.toml");
@@ -703,18 +703,7 @@ mod tests {
 
     #[test]
     fn no_secret_is_printed_or_debug_formatted() {
-        let secret_options = [
-            "sasl.password",
-            "sasl.oauthbearer.client.secret",
-            "sasl.oauthbearer.client.credentials.client.secret",
-            "sasl.oauthbearer.config",
-            "sasl.oauthbearer.extensions",
-            "sasl.oauthbearer.assertion.private.key.passphrase",
-            "sasl.oauthbearer.assertion.private.key.pem",
-            "ssl.key.password",
-            "ssl.key.pem",
-            "ssl.keystore.password",
-        ];
+        let secret_options = SECRET_KAFKA_OPTIONS;
         let mut vars: Vec<(String, String)> = secret_options
             .iter()
             .enumerate()

@@ -14,15 +14,27 @@ use serde::Serializer;
 /// What a secret prints as, everywhere.
 pub const REDACTED: &str = "<redacted>";
 
+/// The librdkafka properties (librdkafka 2.12) known to carry secrets. Not
+/// what decides redaction (see [`PUBLIC_KAFKA_OPTIONS`]: anything not known
+/// to be public is redacted); the tests set each of these.
+pub const SECRET_KAFKA_OPTIONS: [&str; 11] = [
+    "sasl.password",
+    "sasl.oauthbearer.client.secret",
+    "sasl.oauthbearer.client.credentials.client.secret",
+    "sasl.oauthbearer.config",
+    "sasl.oauthbearer.extensions",
+    "sasl.oauthbearer.assertion.private.key.passphrase",
+    "sasl.oauthbearer.assertion.private.key.pem",
+    "ssl.key.password",
+    "ssl.key.pem",
+    "ssl.keystore.password",
+    // A command line, which may carry a password.
+    "sasl.kerberos.kinit.cmd",
+];
+
 /// librdkafka properties (CONFIGURATION.md of librdkafka 2.12) whose values
-/// are not secret. Left out on purpose: `sasl.password`,
-/// `sasl.oauthbearer.client.secret`,
-/// `sasl.oauthbearer.client.credentials.client.secret`,
-/// `sasl.oauthbearer.config`, `sasl.oauthbearer.extensions`,
-/// `sasl.oauthbearer.assertion.private.key.passphrase`,
-/// `sasl.oauthbearer.assertion.private.key.pem`, `ssl.key.password`,
-/// `ssl.key.pem`, `ssl.keystore.password`, and `sasl.kerberos.kinit.cmd`
-/// (a command line that may carry a password).
+/// are not secret: every property but the [`SECRET_KAFKA_OPTIONS`] and the
+/// callbacks (which cannot be set from text).
 const PUBLIC_KAFKA_OPTIONS: &[&str] = &[
     "acks",
     "allow.auto.create.topics",
@@ -479,5 +491,8 @@ mod tests {
             "sasl.oauthbearer.assertion.private.key.passphrase"
         ));
         assert!(!is_public_kafka_option("some.future.option"));
+        for o in SECRET_KAFKA_OPTIONS {
+            assert!(!is_public_kafka_option(o), "{o}");
+        }
     }
 }

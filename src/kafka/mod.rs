@@ -451,18 +451,7 @@ mod tests {
     /// secret would reach `check-config`'s output and the start-up error.
     #[test]
     fn librdkafka_refusals_never_carry_a_secret() {
-        let secret_options = [
-            "sasl.password",
-            "sasl.oauthbearer.client.secret",
-            "sasl.oauthbearer.client.credentials.client.secret",
-            "sasl.oauthbearer.config",
-            "sasl.oauthbearer.extensions",
-            "sasl.oauthbearer.assertion.private.key.passphrase",
-            "sasl.oauthbearer.assertion.private.key.pem",
-            "ssl.key.password",
-            "ssl.key.pem",
-            "ssl.keystore.password",
-        ];
+        let secret_options = crate::config::SECRET_KAFKA_OPTIONS;
         let mut echoed = 0;
         for protocol in ["PLAINTEXT", "SSL", "SASL_SSL"] {
             for option in secret_options {

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use testkit::*;
 
+use tradebucket::config::SECRET_KAFKA_OPTIONS;
+
 use crate::bin;
 use crate::pipeline::stream;
 
@@ -74,27 +76,15 @@ fn check_config_prints_the_effective_layers_with_secrets_redacted() {
     );
 }
 
-/// Every librdkafka option that carries a secret, with a value of its own.
-const SECRET_KAFKA_OPTIONS: [&str; 10] = [
-    "SASL_PASSWORD",
-    "SASL_OAUTHBEARER_CLIENT_SECRET",
-    "SASL_OAUTHBEARER_CLIENT_CREDENTIALS_CLIENT_SECRET",
-    "SASL_OAUTHBEARER_CONFIG",
-    "SASL_OAUTHBEARER_EXTENSIONS",
-    "SASL_OAUTHBEARER_ASSERTION_PRIVATE_KEY_PASSPHRASE",
-    "SASL_OAUTHBEARER_ASSERTION_PRIVATE_KEY_PEM",
-    "SSL_KEY_PASSWORD",
-    "SSL_KEY_PEM",
-    "SSL_KEYSTORE_PASSWORD",
-];
-
 fn secret_env(uri: &str) -> Vec<(String, String)> {
+    // Every librdkafka option that carries a secret, with a value of its own.
     let mut vars: Vec<(String, String)> = SECRET_KAFKA_OPTIONS
         .iter()
         .enumerate()
         .map(|(i, o)| {
+            let name = o.to_ascii_uppercase().replace('.', "_");
             (
-                format!("TRADEBUCKET__KAFKA__OPTIONS__{o}"),
+                format!("TRADEBUCKET__KAFKA__OPTIONS__{name}"),
                 format!("kafka-secret-{i}"),
             )
         })
