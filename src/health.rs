@@ -15,6 +15,9 @@ pub struct Health {
     /// The last periodic ping succeeded (a worker with nothing to write
     /// would otherwise stay ready through a whole outage).
     pub mongodb_reachable: AtomicBool,
+    /// The dead-letter topic refuses writes (other than for one record's
+    /// size): the partition waits for it.
+    pub dead_letters_failing: AtomicBool,
     /// Shutting down: no new batches.
     pub draining: AtomicBool,
     /// Unix millis of the loop's last turn; a stale value means wedged.
@@ -36,6 +39,8 @@ impl Health {
             Err("MongoDB writes failing: being retried")
         } else if !self.mongodb_reachable.load(Ordering::Relaxed) {
             Err("MongoDB unreachable")
+        } else if self.dead_letters_failing.load(Ordering::Relaxed) {
+            Err("the dead-letter topic refuses writes: being retried, the partition waits")
         } else {
             Ok(())
         }

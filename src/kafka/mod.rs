@@ -19,7 +19,6 @@ use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::error::{KafkaError, KafkaResult};
-use rdkafka::message::OwnedHeaders;
 use rdkafka::message::ToBytes;
 use rdkafka::producer::{BaseProducer, DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
@@ -29,11 +28,13 @@ use rdkafka::TopicPartitionList;
 use secrecy::ExposeSecret;
 
 use crate::config::Settings;
-use crate::event::Reject;
 use crate::metrics::Metrics;
 use crate::offsets::TopicPartition;
 
+mod dead_letter;
 pub mod headers;
+
+pub use dead_letter::{send_dead_letter, DeadLetter, OUR_HEADER_PREFIX};
 
 /// Header names on dead-letter records.
 pub const H_ERROR_KIND: &str = "tradebucket.error.kind";
@@ -41,6 +42,12 @@ pub const H_ERROR_MESSAGE: &str = "tradebucket.error.message";
 pub const H_SOURCE_TOPIC: &str = "tradebucket.source.topic";
 pub const H_SOURCE_PARTITION: &str = "tradebucket.source.partition";
 pub const H_SOURCE_OFFSET: &str = "tradebucket.source.offset";
+/// On a dead letter shortened to fit the dead-letter topic (see
+/// [`DeadLetter::shortened`]): what was left out, and the original
+/// payload's length and SHA-256, so it can be matched with its source.
+pub const H_SHORTENED: &str = "tradebucket.shortened";
+pub const H_PAYLOAD_LENGTH: &str = "tradebucket.payload.length";
+pub const H_PAYLOAD_SHA256: &str = "tradebucket.payload.sha256";
 
 /// A change of this member's assignment, sent by the rebalance callbacks
 /// in the order they ran.
@@ -332,69 +339,6 @@ fn millis(d: Duration) -> String {
     d.as_millis().to_string()
 }
 
-/// One event bound for the dead-letter topic.
-#[derive(Debug, Clone)]
-pub struct DeadLetter {
-    pub topic: String,
-    pub partition: i32,
-    pub offset: i64,
-    pub key: Option<Vec<u8>>,
-    pub payload: Option<Vec<u8>>,
-    /// The original record's headers, as bytes.
-    pub headers: Vec<headers::Header>,
-    pub reject: Reject,
-}
-
-/// Sends one dead letter and waits for the broker's acknowledgement.
-pub async fn send_dead_letter(
-    producer: &FutureProducer,
-    dlq_topic: &str,
-    dl: &DeadLetter,
-) -> Result<(), rdkafka::error::KafkaError> {
-    let headers = dead_letter_headers(dl);
-    let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(dlq_topic).headers(headers);
-    if let Some(k) = &dl.key {
-        record = record.key(k.as_slice());
-    }
-    if let Some(p) = &dl.payload {
-        record = record.payload(p.as_slice());
-    }
-    producer
-        .send(record, Duration::from_secs(5))
-        .await
-        .map(|_| ())
-        .map_err(|(e, _)| e)
-}
-
-/// The names of the headers tradebucket writes on a dead letter all start
-/// with this; nobody else's may.
-pub const OUR_HEADER_PREFIX: &[u8] = b"tradebucket.";
-
-/// The original record's headers, then ours. An inbound header in our
-/// namespace is left out: a producer could otherwise forge the error kind
-/// or the provenance a consumer of the dead letters trusts (and a header
-/// list can hold one name twice, so ours would not simply win).
-fn dead_letter_headers(dl: &DeadLetter) -> OwnedHeaders {
-    let mut out = OwnedHeaders::new_with_capacity(dl.headers.len() + 5);
-    for (name, value) in &dl.headers {
-        if !name.starts_with(OUR_HEADER_PREFIX) {
-            headers::add(&mut out, name, value.as_deref());
-        }
-    }
-    let partition = dl.partition.to_string();
-    let offset = dl.offset.to_string();
-    for (name, value) in [
-        (H_ERROR_KIND, dl.reject.kind.as_str()),
-        (H_ERROR_MESSAGE, dl.reject.message.as_str()),
-        (H_SOURCE_TOPIC, dl.topic.as_str()),
-        (H_SOURCE_PARTITION, partition.as_str()),
-        (H_SOURCE_OFFSET, offset.as_str()),
-    ] {
-        headers::add(&mut out, name.as_bytes(), Some(value.as_bytes()));
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -471,36 +415,5 @@ mod tests {
             echoed > 0,
             "librdkafka no longer echoes values: this test checks nothing"
         );
-    }
-
-    #[test]
-    fn inbound_headers_cannot_forge_ours_and_any_bytes_are_kept() {
-        use crate::event::RejectKind;
-        let dl = DeadLetter {
-            topic: "trades".into(),
-            partition: 3,
-            offset: 41,
-            key: None,
-            payload: None,
-            headers: vec![
-                (b"trace-id".to_vec(), Some(b"abc".to_vec())),
-                (vec![0xff, 0x00], Some(vec![0xfe])),
-                (H_ERROR_KIND.as_bytes().to_vec(), Some(b"forged".to_vec())),
-                (H_SOURCE_OFFSET.as_bytes().to_vec(), Some(b"0".to_vec())),
-            ],
-            reject: Reject::new(RejectKind::NotJson, "bad"),
-        };
-        let out = headers::read(Some(dead_letter_headers(&dl).as_borrowed()));
-        let text = |n: &str| -> Vec<Vec<u8>> {
-            out.iter()
-                .filter(|(k, _)| k == n.as_bytes())
-                .filter_map(|(_, v)| v.clone())
-                .collect()
-        };
-        assert_eq!(text(H_ERROR_KIND), vec![b"not_json".to_vec()]);
-        assert_eq!(text(H_SOURCE_OFFSET), vec![b"41".to_vec()]);
-        assert_eq!(text("trace-id"), vec![b"abc".to_vec()]);
-        // A NUL in a name: librdkafka's API cuts it there (see `headers`).
-        assert!(out.contains(&(vec![0xff], Some(vec![0xfe]))), "{out:?}");
     }
 }

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::CommitMode;
+use rdkafka::error::KafkaError;
 use tokio_util::sync::CancellationToken;
 
 mod adapters;
@@ -139,6 +140,8 @@ pub(crate) struct Worker<I, B, D> {
     health: Arc<Health>,
     /// Hot-path warnings (dead letters, consumer errors): one per second.
     dead_letter_log: Throttle,
+    /// Dead letters refused for their size, to send again shortened.
+    shortened_now: Vec<DeadLetter>,
     consumer_error_log: Throttle,
 }
 
@@ -170,6 +173,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             metrics,
             health,
             dead_letter_log: Throttle::new(HOT_LOG_EVERY),
+            shortened_now: Vec::new(),
             consumer_error_log: Throttle::new(HOT_LOG_EVERY),
         }
     }
@@ -336,7 +340,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
 
     /// Sends every dead letter and waits for all acknowledgements; retries
     /// the failed ones until they succeed, because committing past an
-    /// unrecorded bad event would lose it silently.
+    /// unrecorded bad event would lose it silently. A record refused for
+    /// its size is sent again at once, shortened (it would never fit);
+    /// any other refusal holds the partition, and readiness says so.
     async fn dead_letter(&mut self, batch: &[Record], dead: &[(usize, Reject)]) {
         let mut todo: Vec<DeadLetter> = dead
             .iter()
@@ -346,34 +352,52 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         while !todo.is_empty() {
             let sends = todo.iter().map(|dl| self.dead_letters.send(dl));
             let results = futures::future::join_all(sends).await;
-            let mut failed = Vec::new();
-            let mut last_error = None;
+            let (mut failed, mut last_error) = (Vec::new(), None);
             for (dl, r) in todo.into_iter().zip(results) {
                 match r {
                     Ok(()) => self.dead_lettered(&dl),
+                    Err(e) if DeadLetter::is_size_refusal(&e) && dl.shortened.is_none() => {
+                        tracing::warn!(topic = %dl.topic, partition = dl.partition, offset = dl.offset,
+                            "dead letter too large for the dead-letter topic; sending it shortened");
+                        self.shortened_now.push(dl.shortened());
+                    }
                     Err(e) => {
                         last_error = Some(e);
                         failed.push(dl);
                     }
                 }
             }
+            self.health
+                .dead_letters_failing
+                .store(!failed.is_empty(), Ordering::Relaxed);
             if !failed.is_empty() {
-                self.metrics
-                    .retries
-                    .with_label_values(&["dead_letter"])
-                    .inc();
-                let wait = backoff.next_wait();
-                tracing::error!(
-                    failed = failed.len(),
-                    error = ?last_error,
-                    retry_in = ?wait,
-                    "cannot write to the dead-letter topic; the partition waits"
-                );
-                tokio::time::sleep(wait).await;
-                self.health.tick();
+                self.dead_letter_retry(failed.len(), last_error, &mut backoff)
+                    .await;
             }
             todo = failed;
+            todo.append(&mut self.shortened_now);
         }
+    }
+
+    async fn dead_letter_retry(
+        &mut self,
+        failed: usize,
+        error: Option<KafkaError>,
+        backoff: &mut Backoff,
+    ) {
+        self.metrics
+            .retries
+            .with_label_values(&["dead_letter"])
+            .inc();
+        let wait = backoff.next_wait();
+        tracing::error!(
+            failed,
+            error = ?error,
+            retry_in = ?wait,
+            "cannot write to the dead-letter topic; the partition waits"
+        );
+        tokio::time::sleep(wait).await;
+        self.health.tick();
     }
 
     /// Counts one acknowledged dead letter and logs it: every one at debug;
@@ -491,6 +515,8 @@ fn dead_letter_of(r: &Record, reject: &Reject) -> DeadLetter {
         payload: r.payload.clone(),
         headers: r.headers.clone(),
         reject: reject.clone(),
+        shortened: None,
+        original_payload: None,
     }
 }
 

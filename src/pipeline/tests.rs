@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use rdkafka::consumer::CommitMode;
 use rdkafka::error::KafkaError;
+use rdkafka::types::RDKafkaErrorCode;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -117,9 +118,11 @@ impl BucketSink for FakeBuckets {
     fn forget_all(&mut self) {}
 }
 
-/// Fails the first `failures` sends.
+/// Fails the first `failures` sends, and refuses for its size any dead
+/// letter with a payload over `max_payload` bytes.
 struct FakeDeadLetters {
     failures: Mutex<usize>,
+    max_payload: usize,
     seen: Shared,
     start: Instant,
 }
@@ -132,6 +135,11 @@ impl DeadLetterSink for FakeDeadLetters {
             .unwrap()
             .dead_letters
             .push((at, dead.offset));
+        if dead.payload.as_ref().map_or(0, Vec::len) > self.max_payload {
+            return Err(KafkaError::MessageProduction(
+                RDKafkaErrorCode::MessageSizeTooLarge,
+            ));
+        }
         let mut failures = self.failures.lock().unwrap();
         if *failures > 0 {
             *failures -= 1;
@@ -159,6 +167,7 @@ struct Options {
     dead_letter_failures: usize,
     max_events: Option<usize>,
     max_bytes: Option<usize>,
+    dead_letter_max_payload: Option<usize>,
 }
 
 fn settings(max_events: Option<usize>, max_bytes: Option<usize>) -> Settings {
@@ -199,6 +208,7 @@ impl Harness {
         };
         let dead_letters = FakeDeadLetters {
             failures: Mutex::new(o.dead_letter_failures),
+            max_payload: o.dead_letter_max_payload.unwrap_or(usize::MAX),
             seen: seen.clone(),
             start,
         };
@@ -352,6 +362,10 @@ async fn commits_wait_for_dead_letters_and_name_the_contiguous_prefix() {
         h.commits().is_empty(),
         "nothing is committed while a dead letter of the batch is unacknowledged"
     );
+    assert_eq!(
+        h.health.readiness(),
+        Err("the dead-letter topic refuses writes: being retried, the partition waits")
+    );
     h.until(ms(1000)).await;
     let dead: Vec<(Duration, i64)> = h.seen.lock().unwrap().dead_letters.clone();
     assert_eq!(dead, vec![(ms(50), 2), (ms(150), 2), (ms(350), 2)]);
@@ -459,5 +473,30 @@ async fn the_batch_bound_counts_keys_and_headers_not_just_payloads() {
     );
     h.until(ms(100)).await;
     assert_eq!(h.writes()[2], (LINGER, vec![4]));
+    h.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dead_letter_too_large_for_its_topic_goes_shortened_at_once() {
+    let h = Harness::start(
+        Options {
+            dead_letter_max_payload: Some(2048),
+            ..Options::default()
+        },
+        &[0],
+    );
+    let mut big = record(0, 0, false);
+    big.payload = Some(vec![b'x'; 10_000]);
+    h.records.send(big).unwrap();
+    h.send(0, [1], true);
+    h.until(ms(100)).await;
+    let dead = h.seen.lock().unwrap().dead_letters.clone();
+    assert_eq!(
+        dead,
+        vec![(LINGER, 0), (LINGER, 0)],
+        "refused for its size, then sent shortened without waiting"
+    );
+    assert_eq!(h.commits(), vec![(LINGER, vec![(tp(0), 2)], Mode::Async)]);
+    assert_eq!(h.health.readiness(), Ok(()));
     h.stop().await;
 }

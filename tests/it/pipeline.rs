@@ -748,3 +748,60 @@ async fn every_compression_codec_the_local_broker_serves_is_consumed() {
     assert_eq!(report.trades, 60);
     env.cleanup().await;
 }
+
+/// Kafka takes records up to about 1 MiB by default (more where a topic
+/// raises `max.message.bytes`); the dead-letter producer refuses anything
+/// over its own 1,000,000-byte `message.max.bytes`. Such a record was
+/// retried forever and held its partition; now its dead letter is sent
+/// shortened, with the original's length and digest, and nothing waits.
+#[tokio::test]
+async fn a_record_too_large_for_the_dead_letter_topic_is_recorded_shortened() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let env = TestEnv::new("dlq-size", 1).await;
+    let big = vec![b'x'; 1_000_100];
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &env.kafka)
+        .set("message.max.bytes", "2000000")
+        .create()
+        .expect("producer");
+    let big_offset = producer
+        .send(
+            FutureRecord::<[u8], [u8]>::to(&env.topic)
+                .key(b"k".as_slice())
+                .payload(big.as_slice()),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produced")
+        .offset;
+    env.produce(&[Produced {
+        payload: Some(trade("after-big").customer(9).payload()),
+        ..Produced::default()
+    }])
+    .await;
+    let worker = Worker::spawn(env.settings(&[]));
+    env.wait_committed_to_end(T).await;
+    let metrics = worker.stop().await;
+    assert_eq!(
+        metrics.events_written.get(),
+        1,
+        "the trade after it is stored"
+    );
+    let dl = env.dead_letters(1, T).await;
+    assert_eq!(
+        header(&dl[0], "tradebucket.error.kind").as_deref(),
+        Some("oversize")
+    );
+    assert_eq!(
+        header(&dl[0], "tradebucket.source.offset"),
+        Some(big_offset.to_string())
+    );
+    assert_eq!(
+        header(&dl[0], "tradebucket.payload.length").as_deref(),
+        Some("1000100")
+    );
+    assert!(header(&dl[0], "tradebucket.shortened").is_some());
+    assert_eq!(dl[0].payload().map(<[u8]>::len), Some(1024));
+    env.cleanup().await;
+}
