@@ -49,6 +49,10 @@ const EVENTS_DEAD_LETTERED_TOTAL: Def = (
     "tradebucket_events_dead_lettered_total",
     "Events sent to the dead-letter topic, by reason.",
 );
+const CONSUMER_ERRORS_TOTAL: Def = (
+    "tradebucket_consumer_errors_total",
+    "Errors the Kafka consumer reported, by kind: transport, offset_reset, unknown_topic_or_partition, authorization, fatal, other.",
+);
 const RETRIES_TOTAL: Def = (
     "tradebucket_retries_total",
     "Retries after transient failures, by what was retried.",
@@ -80,6 +84,8 @@ pub struct Metrics {
     pub mongodb_write_duration: HistogramVec,
     /// kind: mongodb | dead_letter | commit
     pub retries: IntCounterVec,
+    /// kind: see `kafka::CONSUMER_ERROR_KINDS`
+    pub consumer_errors: IntCounterVec,
     /// result: ok | error
     pub offset_commits: IntCounterVec,
     /// kind: assigned | revoked
@@ -127,6 +133,7 @@ impl Metrics {
                 "operation",
             ),
             retries: counter_vec(&r, RETRIES_TOTAL, "kind"),
+            consumer_errors: counter_vec(&r, CONSUMER_ERRORS_TOTAL, "kind"),
             offset_commits: counter_vec(&r, OFFSET_COMMITS_TOTAL, "result"),
             rebalances: counter_vec(&r, REBALANCES_TOTAL, "kind"),
             consumer_lag: register(
@@ -186,6 +193,9 @@ impl Metrics {
         }
         for kind in ["mongodb", "dead_letter", "commit"] {
             self.retries.with_label_values(&[kind]);
+        }
+        for kind in crate::kafka::CONSUMER_ERROR_KINDS {
+            self.consumer_errors.with_label_values(&[kind]);
         }
     }
 

@@ -49,6 +49,43 @@ pub const H_SHORTENED: &str = "tradebucket.shortened";
 pub const H_PAYLOAD_LENGTH: &str = "tradebucket.payload.length";
 pub const H_PAYLOAD_SHA256: &str = "tradebucket.payload.sha256";
 
+/// What kind of consumer error, as the `kind` label of
+/// `tradebucket_consumer_errors_total` (a bounded set).
+pub fn consumer_error_kind(e: &KafkaError) -> &'static str {
+    use RDKafkaErrorCode as C;
+    if matches!(e, KafkaError::MessageConsumptionFatal(_)) {
+        return "fatal";
+    }
+    match e.rdkafka_error_code() {
+        Some(C::BrokerTransportFailure | C::AllBrokersDown | C::Resolve | C::RequestTimedOut) => {
+            "transport"
+        }
+        Some(C::AutoOffsetReset | C::OffsetOutOfRange) => "offset_reset",
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition) => {
+            "unknown_topic_or_partition"
+        }
+        Some(
+            C::TopicAuthorizationFailed
+            | C::GroupAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::Authentication
+            | C::SaslAuthenticationFailed,
+        ) => "authorization",
+        Some(C::Fatal) => "fatal",
+        _ => "other",
+    }
+}
+
+/// Every value [`consumer_error_kind`] returns.
+pub const CONSUMER_ERROR_KINDS: [&str; 6] = [
+    "transport",
+    "offset_reset",
+    "unknown_topic_or_partition",
+    "authorization",
+    "fatal",
+    "other",
+];
+
 /// A change of this member's assignment, sent by the rebalance callbacks
 /// in the order they ran.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -38,7 +38,7 @@ use seams::{BucketSink, DeadLetterSink, Intake};
 
 use crate::bucket::store::{BucketStore, StoreError};
 use crate::bucket::writer::{BucketWriter, Outcome, WriteStats};
-use crate::config::Settings;
+use crate::config::{OffsetReset, Settings};
 use crate::event::{self, Reject, Source, Trade};
 use crate::health::{now_ms, Health};
 use crate::kafka::{self, DeadLetter, GroupEvent};
@@ -53,6 +53,10 @@ pub enum PipelineError {
     Kafka(#[from] kafka::SetupError),
     #[error("MongoDB setup failed: {0}")]
     Store(#[from] StoreError),
+    /// librdkafka says the consumer cannot go on (for example a static
+    /// member fenced by another with its `group.instance.id`).
+    #[error("fatal Kafka consumer error: {0}")]
+    FatalConsumer(String),
 }
 
 /// At most one warning per this interval on a hot path.
@@ -72,6 +76,12 @@ impl Pipeline {
         health: Arc<Health>,
         shutdown: &CancellationToken,
     ) -> Result<Option<Pipeline>, PipelineError> {
+        if settings.kafka.auto_offset_reset == OffsetReset::Latest {
+            tracing::warn!(
+                "kafka.auto_offset_reset = \"latest\": a group without a committed offset \
+                 starts at the end of each partition, and never reads the events before it"
+            );
+        }
         let store = BucketStore::connect(&settings).await?;
         if !create_indexes(&store, &settings, shutdown).await {
             return Ok(None);
@@ -99,9 +109,10 @@ impl Pipeline {
         Ok(Some(Pipeline(worker)))
     }
 
-    /// Runs until `shutdown` is cancelled, then drains and leaves the group.
-    pub async fn run(self, shutdown: CancellationToken) {
-        self.0.run(shutdown).await;
+    /// Runs until `shutdown` is cancelled, then drains and leaves the
+    /// group. `Err` only when the consumer cannot go on.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), PipelineError> {
+        self.0.run(shutdown).await
     }
 }
 
@@ -142,6 +153,8 @@ pub(crate) struct Worker<I, B, D> {
     dead_letter_log: Throttle,
     /// Dead letters refused for their size, to send again shortened.
     shortened_now: Vec<DeadLetter>,
+    /// A fatal consumer error: the loop ends after the batch in hand.
+    fatal: Option<String>,
     consumer_error_log: Throttle,
 }
 
@@ -174,12 +187,15 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             health,
             dead_letter_log: Throttle::new(HOT_LOG_EVERY),
             shortened_now: Vec::new(),
+            fatal: None,
             consumer_error_log: Throttle::new(HOT_LOG_EVERY),
         }
     }
 
-    /// Runs until `shutdown` is cancelled, then drains and leaves the group.
-    pub async fn run(mut self, shutdown: CancellationToken) {
+    /// Runs until `shutdown` is cancelled, then drains and leaves the
+    /// group; or, after a fatal consumer error, writes what it holds and
+    /// returns the error (the process then exits non-zero, to be restarted).
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), PipelineError> {
         loop {
             let batch = self.collect(&shutdown).await;
             if !batch.is_empty() && !self.process_or_drain(batch, &shutdown).await {
@@ -188,14 +204,18 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                     "in-flight batch abandoned at shutdown; its uncommitted events will be redelivered"
                 );
             }
-            if shutdown.is_cancelled() {
+            if shutdown.is_cancelled() || self.fatal.is_some() {
                 break;
             }
         }
         self.health.draining.store(true, Ordering::Relaxed);
         self.commit(CommitMode::Sync);
         self.intake.leave();
+        if let Some(fatal) = self.fatal.take() {
+            return Err(PipelineError::FatalConsumer(fatal));
+        }
         tracing::info!("stopped: offsets committed, left the consumer group");
+        Ok(())
     }
 
     /// Processes `batch`; once `shutdown` is cancelled (before or during),
@@ -235,7 +255,11 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             match received {
                 Err(_) if deadline.is_some() => break, // linger elapsed
                 Err(_) => {}                           // idle: tick and wait on
-                Ok(Err(e)) => self.consumer_error(&e),
+                Ok(Err(e)) => {
+                    if self.consumer_error(&e) {
+                        break;
+                    }
+                }
                 Ok(Ok(record)) => {
                     self.tracker.consumed(&record.tp, record.offset);
                     bytes += record.size();
@@ -257,11 +281,32 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         batch
     }
 
-    /// The broker being away shows up here; librdkafka reconnects by itself.
-    fn consumer_error(&mut self, e: &rdkafka::error::KafkaError) {
-        if let Some(suppressed) = self.consumer_error_log.admit(Instant::now()) {
-            tracing::warn!(error = %e, suppressed, "Kafka consumer error");
+    /// Counts and logs a consumer error; `true` if it is fatal. The broker
+    /// being away shows up here, and librdkafka reconnects by itself. An
+    /// offset reset means records were skipped or will be read again: an
+    /// operator must know, so it is logged at error.
+    fn consumer_error(&mut self, e: &KafkaError) -> bool {
+        let kind = kafka::consumer_error_kind(e);
+        self.metrics
+            .consumer_errors
+            .with_label_values(&[kind])
+            .inc();
+        let admitted = self.consumer_error_log.admit(Instant::now());
+        match (kind, admitted) {
+            ("fatal", _) => {
+                tracing::error!(error = %e, "fatal Kafka consumer error: stopping");
+                self.fatal = Some(e.to_string());
+                return true;
+            }
+            ("offset_reset", _) => {
+                tracing::error!(error = %e, "Kafka consumer reset an offset (out of range)");
+            }
+            (_, Some(suppressed)) => {
+                tracing::warn!(error = %e, kind, suppressed, "Kafka consumer error");
+            }
+            (_, None) => {}
         }
+        false
     }
 
     /// Follows the assignment. After a revocation, forgets cached buckets:
@@ -546,10 +591,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         shutdown.clone(),
     ));
     let result = match Pipeline::build(settings, metrics, health, &shutdown).await {
-        Ok(Some(p)) => {
-            p.run(shutdown.clone()).await;
-            Ok(())
-        }
+        Ok(Some(p)) => p.run(shutdown.clone()).await.map_err(Into::into),
         Ok(None) => Ok(()),
         Err(e) => Err(e.into()),
     };

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::seams::{BucketSink, DeadLetterSink, Intake, Record};
-use super::Worker;
+use super::{PipelineError, Worker};
 use crate::bucket::store::StoreError;
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
@@ -54,7 +54,7 @@ enum Mode {
 }
 
 struct FakeIntake {
-    records: UnboundedReceiver<Record>,
+    records: UnboundedReceiver<Result<Record, KafkaError>>,
     events: Arc<Mutex<Vec<GroupEvent>>>,
     seen: Shared,
     start: Instant,
@@ -63,7 +63,7 @@ struct FakeIntake {
 impl Intake for FakeIntake {
     async fn recv(&mut self) -> Result<Record, KafkaError> {
         match self.records.recv().await {
-            Some(r) => Ok(r),
+            Some(r) => r,
             None => std::future::pending().await,
         }
     }
@@ -151,12 +151,12 @@ impl DeadLetterSink for FakeDeadLetters {
 
 /// A worker over the stand-ins, running on its own task.
 struct Harness {
-    records: UnboundedSender<Record>,
+    records: UnboundedSender<Result<Record, KafkaError>>,
     events: Arc<Mutex<Vec<GroupEvent>>>,
     seen: Shared,
     health: Arc<Health>,
     shutdown: CancellationToken,
-    handle: tokio::task::JoinHandle<()>,
+    handle: tokio::task::JoinHandle<Result<(), PipelineError>>,
     start: Instant,
 }
 
@@ -238,7 +238,9 @@ impl Harness {
 
     fn send(&self, partition: i32, offsets: impl IntoIterator<Item = i64>, valid: bool) {
         for offset in offsets {
-            self.records.send(record(partition, offset, valid)).unwrap();
+            self.records
+                .send(Ok(record(partition, offset, valid)))
+                .unwrap();
         }
     }
 
@@ -257,7 +259,7 @@ impl Harness {
 
     async fn stop(self) -> Shared {
         self.shutdown.cancel();
-        self.handle.await.unwrap();
+        self.handle.await.unwrap().expect("a clean stop");
         self.seen
     }
 }
@@ -463,7 +465,7 @@ async fn the_batch_bound_counts_keys_and_headers_not_just_payloads() {
         let mut r = record(0, offset, true);
         r.key = Some(vec![b'k'; 64]);
         r.headers = vec![(b"trace".to_vec(), Some(vec![b'x'; 2048]))];
-        h.records.send(r).unwrap();
+        h.records.send(Ok(r)).unwrap();
     }
     h.until(ms(10)).await;
     assert_eq!(
@@ -487,7 +489,7 @@ async fn a_dead_letter_too_large_for_its_topic_goes_shortened_at_once() {
     );
     let mut big = record(0, 0, false);
     big.payload = Some(vec![b'x'; 10_000]);
-    h.records.send(big).unwrap();
+    h.records.send(Ok(big)).unwrap();
     h.send(0, [1], true);
     h.until(ms(100)).await;
     let dead = h.seen.lock().unwrap().dead_letters.clone();
@@ -499,4 +501,34 @@ async fn a_dead_letter_too_large_for_its_topic_goes_shortened_at_once() {
     assert_eq!(h.commits(), vec![(LINGER, vec![(tp(0), 2)], Mode::Async)]);
     assert_eq!(h.health.readiness(), Ok(()));
     h.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fatal_consumer_error_ends_the_loop_with_an_error_after_the_batch_in_hand() {
+    let h = Harness::start(Options::default(), &[0]);
+    h.send(0, 0..2, true);
+    // A transient one is counted and the loop goes on.
+    let transient = KafkaError::MessageConsumption(RDKafkaErrorCode::BrokerTransportFailure);
+    h.records.send(Err(transient)).unwrap();
+    h.until(ms(100)).await;
+    assert_eq!(h.commits().len(), 1);
+    h.send(0, [2], true);
+    let fatal = KafkaError::MessageConsumptionFatal(RDKafkaErrorCode::Fatal);
+    h.records.send(Err(fatal)).unwrap();
+    let result = h.handle.await.unwrap();
+    assert!(
+        matches!(result, Err(PipelineError::FatalConsumer(_))),
+        "{result:?}"
+    );
+    let seen = h.seen.lock().unwrap();
+    assert_eq!(seen.writes.last().map(|w| w.1.clone()), Some(vec![2]));
+    assert_eq!(
+        seen.commits[seen.commits.len() - 2..],
+        [
+            (ms(100), vec![(tp(0), 3)], Mode::Async),
+            (ms(100), vec![], Mode::Sync)
+        ],
+        "the batch in hand is written and committed before the exit"
+    );
+    assert!(seen.left);
 }

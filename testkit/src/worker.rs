@@ -34,7 +34,7 @@ impl Worker {
                 .await
                 .expect("worker starts");
             if let Some(p) = pipeline {
-                p.run(t).await;
+                p.run(t).await.expect("the worker runs until stopped");
             }
         });
         Worker {
