@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
@@ -105,20 +105,57 @@ impl Intake for KafkaIntake {
 
 /// The dead-letter producer and where each source topic's dead letters go.
 pub(crate) struct KafkaDeadLetters {
-    producer: FutureProducer,
+    /// Replaced after a fatal error (see `send`), with a generation so that
+    /// many sends failing together replace it once. Cloning a
+    /// `FutureProducer` is cheap: each send holds the lock only to clone.
+    producer: RwLock<(u64, FutureProducer)>,
     settings: Settings,
 }
 
 impl KafkaDeadLetters {
     pub fn new(producer: FutureProducer, settings: Settings) -> Self {
-        KafkaDeadLetters { producer, settings }
+        KafkaDeadLetters {
+            producer: RwLock::new((0, producer)),
+            settings,
+        }
+    }
+
+    /// An idempotent producer that hit a fatal error (librdkafka's
+    /// `ERR__FATAL`: for example a sequence gap it cannot recover) fails
+    /// every later send, so retrying through it would hold the partition
+    /// forever. A new producer starts a new idempotent session.
+    fn replace_after_fatal(&self, e: &KafkaError, generation: u64) {
+        if e.rdkafka_error_code() != Some(RDKafkaErrorCode::Fatal) {
+            return;
+        }
+        let Ok(mut current) = self.producer.write() else {
+            return;
+        };
+        if current.0 != generation {
+            return; // another send replaced it already
+        }
+        match kafka::producer(&self.settings) {
+            Ok(fresh) => {
+                tracing::error!(error = %e, "dead-letter producer failed fatally; replaced");
+                *current = (generation + 1, fresh);
+            }
+            Err(err) => tracing::error!(error = %err, "cannot replace the dead-letter producer"),
+        }
     }
 }
 
 impl DeadLetterSink for KafkaDeadLetters {
     async fn send(&self, dead: &DeadLetter) -> Result<(), KafkaError> {
         let topic = self.settings.dlq_topic_for(&dead.topic);
-        kafka::send_dead_letter(&self.producer, &topic, dead).await
+        let (generation, producer) = match self.producer.read() {
+            Ok(p) => p.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        let result = kafka::send_dead_letter(&producer, &topic, dead).await;
+        if let Err(e) = &result {
+            self.replace_after_fatal(e, generation);
+        }
+        result
     }
 }
 
