@@ -223,7 +223,8 @@ pub struct TimeoutSettings {
     #[serde(with = "humantime_serde")]
     pub mongodb_ping: Duration,
     /// librdkafka `message.timeout.ms` of the dead-letter producer: a dead
-    /// letter not acknowledged within it fails, and is sent again.
+    /// letter not acknowledged within it fails, and is sent again. Also the
+    /// longest wait for room in the producer's local queue.
     #[serde(with = "humantime_serde")]
     pub dead_letter_delivery: Duration,
     /// `/healthz` answers 503 once the worker loop has not turned for this

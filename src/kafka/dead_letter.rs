@@ -75,11 +75,13 @@ impl DeadLetter {
     }
 }
 
-/// Sends one dead letter and waits for the broker's acknowledgement.
+/// Sends one dead letter and waits for the broker's acknowledgement;
+/// `queue_timeout` bounds the wait for room in librdkafka's local queue.
 pub async fn send_dead_letter(
     producer: &FutureProducer,
     dlq_topic: &str,
     dl: &DeadLetter,
+    queue_timeout: Duration,
 ) -> Result<(), rdkafka::error::KafkaError> {
     let headers = dead_letter_headers(dl);
     let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(dlq_topic).headers(headers);
@@ -90,7 +92,7 @@ pub async fn send_dead_letter(
         record = record.payload(p.as_slice());
     }
     producer
-        .send(record, Duration::from_secs(5))
+        .send(record, queue_timeout)
         .await
         .map(|_| ())
         .map_err(|(e, _)| e)

@@ -151,7 +151,13 @@ impl DeadLetterSink for KafkaDeadLetters {
             Ok(p) => p.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
         };
-        let result = kafka::send_dead_letter(&producer, &topic, dead).await;
+        let result = kafka::send_dead_letter(
+            &producer,
+            &topic,
+            dead,
+            self.settings.timeouts.dead_letter_delivery,
+        )
+        .await;
         if let Err(e) = &result {
             self.replace_after_fatal(e, generation);
         }

@@ -303,48 +303,16 @@ fn write_batch(
                     .map(|&i| batch[i].0.key.clone())
                     .collect::<Vec<_>>()
             };
-            let mut ok = true;
             let ops = usize::from(plan.fill.is_some()) + plan.new_buckets.len();
             if let Some(b) = budget.as_mut() {
                 if *b < ops {
                     // Crash part-way: the first `b` operations land.
-                    let mut left = *b;
-                    if let Some(f) = &plan.fill {
-                        if left > 0 {
-                            // As in the writer: a customer whose fill was
-                            // refused gets no new bucket in that round (a
-                            // successor of a bucket that is not full would
-                            // break the chain).
-                            if !model.fill(f, &keys_of(&f.events)) {
-                                return false;
-                            }
-                            left -= 1;
-                        }
-                    }
-                    for nb in &plan.new_buckets {
-                        if left == 0 {
-                            break;
-                        }
-                        if !model.insert(nb, &keys_of(&nb.events)) {
-                            break;
-                        }
-                        left -= 1;
-                    }
+                    apply_some(model, &plan, *b, &keys_of);
                     return false;
                 }
                 *b -= ops;
             }
-            if let Some(f) = &plan.fill {
-                ok = model.fill(f, &keys_of(&f.events));
-            }
-            if ok {
-                for nb in &plan.new_buckets {
-                    if !model.insert(nb, &keys_of(&nb.events)) {
-                        ok = false;
-                        break;
-                    }
-                }
-            }
+            let ok = apply_some(model, &plan, ops, &keys_of);
             if ok {
                 cache.insert(customer.clone(), plan.after.clone());
                 break;
@@ -357,6 +325,39 @@ fn write_batch(
                 }
             }
         }
+    }
+    true
+}
+
+/// Applies the first `n` operations of `plan` (fill first, then the new
+/// buckets in order) as the writer would, stopping at the first refused
+/// one; `true` if all `n` held. As in the writer, a customer whose fill was
+/// refused gets no new bucket in that round (a successor of a bucket that
+/// is not full would break the chain).
+fn apply_some(
+    model: &mut Model,
+    plan: &CustomerPlan,
+    n: usize,
+    keys_of: &dyn Fn(&[usize]) -> Vec<String>,
+) -> bool {
+    let mut left = n;
+    if let Some(f) = &plan.fill {
+        if left == 0 {
+            return true;
+        }
+        if !model.fill(f, &keys_of(&f.events)) {
+            return false;
+        }
+        left -= 1;
+    }
+    for nb in &plan.new_buckets {
+        if left == 0 {
+            return true;
+        }
+        if !model.insert(nb, &keys_of(&nb.events)) {
+            return false;
+        }
+        left -= 1;
     }
     true
 }
