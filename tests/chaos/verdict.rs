@@ -324,6 +324,15 @@ fn expected_original_headers(p: &Produced) -> Vec<Header> {
         .collect()
 }
 
+/// Headers as `name=value` with bytes escaped, `name` alone for a null value.
+fn show(headers: &[Header]) -> String {
+    let one = |(k, v): &Header| match v {
+        Some(v) => format!("{}={}", k.escape_ascii(), v.escape_ascii()),
+        None => k.escape_ascii().to_string(),
+    };
+    headers.iter().map(one).collect::<Vec<_>>().join(", ")
+}
+
 /// The full form: the original key, payload and headers, unchanged.
 fn content_problems(m: &OwnedMessage, headers: &[Header], p: &Produced) -> Vec<String> {
     let mut problems = Vec::new();
@@ -338,7 +347,9 @@ fn content_problems(m: &OwnedMessage, headers: &[Header], p: &Produced) -> Vec<S
     let expected = expected_original_headers(p);
     if originals != expected {
         problems.push(format!(
-            "original headers {originals:?}, expected {expected:?}"
+            "original headers [{}], expected [{}]",
+            show(&originals),
+            show(&expected)
         ));
     }
     problems
