@@ -126,14 +126,28 @@ pub async fn produce_fast<'a>(
     topic: &str,
     messages: impl IntoIterator<Item = &'a Produced>,
 ) -> Vec<(i32, i64)> {
-    let producer: FutureProducer = ClientConfig::new()
+    produce_fast_with(brokers, topic, messages, &[]).await
+}
+
+/// [`produce_fast`] with librdkafka producer `options` on top of its own
+/// (`compression.type`, a larger `message.max.bytes`...).
+pub async fn produce_fast_with<'a>(
+    brokers: &str,
+    topic: &str,
+    messages: impl IntoIterator<Item = &'a Produced>,
+    options: &[(&str, &str)],
+) -> Vec<(i32, i64)> {
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")
         .set("linger.ms", "20")
         .set("queue.buffering.max.messages", "100000")
-        .set("message.timeout.ms", "120000")
-        .create()
-        .expect("producer");
+        .set("message.timeout.ms", "120000");
+    for (k, v) in options {
+        config.set(*k, *v);
+    }
+    let producer: FutureProducer = config.create().expect("producer");
     let mut pending = Vec::new();
     for m in messages {
         let delivery = tradebucket::kafka::enqueue(&producer, m.record(topic))

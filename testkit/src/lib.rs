@@ -27,7 +27,7 @@ pub mod worker;
 
 pub use env::{
     admin, audit_clean, create_topic, header, headers_of, kafka_brokers, mongodb_uri, produce_fast,
-    unique, Produced, TestEnv,
+    produce_fast_with, unique, Produced, TestEnv,
 };
 pub use event::{trade, TradeEvent};
 pub use poll::{eventually, poll_until};

@@ -16,8 +16,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use serde_json::{json, Value};
 
 use testkit::{
-    poll_until, produce_fast, trade, Fleet, PrivateKafka, PrivateMongo, Produced, TestEnv,
-    WorkerProcess,
+    poll_until, produce_fast, produce_fast_with, trade, Fleet, PrivateKafka, PrivateMongo,
+    Produced, TestEnv, WorkerProcess,
 };
 use tradebucket::cli::{synthetic_event, ProduceOptions};
 
@@ -185,10 +185,13 @@ pub enum Class {
     /// A valid trade whose `tradeId` was produced before (upstream duplicate).
     Duplicate { key: String },
     /// Poison: `poison` names how it was made, `kind` the dead-letter kind
-    /// the README promises for it.
+    /// the README promises for it. `shortened`: the record is too large for
+    /// the dead-letter topic (over the dead-letter producer's 1,000,000-byte
+    /// `message.max.bytes`), so its dead letter is the shortened form.
     Bad {
         poison: &'static str,
         kind: &'static str,
+        shortened: bool,
     },
 }
 
@@ -273,7 +276,11 @@ fn poison(k: usize, i: usize, rng: &mut StdRng) -> Rec {
             headers: vec![("chaos.origin".into(), "poison".into())],
             ..Produced::default()
         },
-        class: Class::Bad { poison: name, kind },
+        class: Class::Bad {
+            poison: name,
+            kind,
+            shortened: false,
+        },
     }
 }
 
@@ -458,6 +465,18 @@ pub async fn produce(brokers: &str, topic: &str, recs: &[Rec]) -> Vec<(i32, i64)
     // the future unusable in `tokio::spawn` (higher-ranked lifetimes).
     let messages: Vec<&Produced> = recs.iter().map(|r| &r.msg).collect();
     produce_fast(brokers, topic, messages).await
+}
+
+/// [`produce`] with librdkafka producer `options` on top (a codec, a
+/// larger `message.max.bytes`).
+pub async fn produce_with(
+    brokers: &str,
+    topic: &str,
+    recs: &[Rec],
+    options: &[(&str, &str)],
+) -> Vec<(i32, i64)> {
+    let messages: Vec<&Produced> = recs.iter().map(|r| &r.msg).collect();
+    produce_fast_with(brokers, topic, messages, options).await
 }
 
 /// Produces `recs` in `chunks` chunks with `pause` between them, in the

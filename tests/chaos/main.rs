@@ -13,5 +13,6 @@
 
 mod fuzz;
 mod harness;
+mod hostile;
 mod scenarios;
 mod verdict;

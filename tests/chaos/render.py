@@ -26,6 +26,11 @@ for path in sorted(directory.glob("s*.json")):
         ("partition-order violations", 0, r["order_violations"]),
         ("dead-lettered (records)", r["dead_letters_expected"], r["dead_letters_actual"]),
         ("dead letters with wrong headers/key/payload", 0, r["dead_letters_wrong"]),
+    ]
+    shortened = r.get("dead_letters_shortened_expected_actual", [0, 0])
+    if shortened != [0, 0]:
+        rows.append(("dead letters shortened (over 1 MB)", shortened[0], shortened[1]))
+    rows += [
         ("`tradebucket audit` violations", 0, r["audit"].get("violations")),
         ("`audit` trades", r["trades_expected"], r["audit"].get("trades")),
         ("committed offsets at the end of the topic", "yes",

@@ -1,4 +1,4 @@
-//! The seven scenarios of the chaos suite, one test each. Every one ends in
+//! The eight scenarios of the chaos suite, one test each. Every one ends in
 //! `Scenario::finish`: zero trades lost or duplicated, `audit` clean, the
 //! dead-letter topic exactly the bad events, the group committed to the
 //! end, and every worker exiting 0 on SIGTERM.
@@ -13,6 +13,7 @@ use serde_json::json;
 use testkit::{free_port, http_get, poll_until, WorkerProcess};
 
 use crate::harness::*;
+use crate::hostile::{harden_goods, produce_compressed, with_hostile, CODECS};
 use crate::verdict::committed_but_not_stored;
 
 /// The broker keeps a kill -9'd member registered for its session (30 s in
@@ -405,4 +406,38 @@ async fn s7_unfriendly_keys() {
     let a = s.fleet.start();
     let placed = producer.await.expect("producer task");
     s.finish(vec![a, b], &recs, &placed).await;
+}
+
+/// 8. Hostile records: between valid trades, every record shape a real
+///    cluster can deliver (header bytes of any kind on good and bad
+///    records, records just over 1 MB, tombstones, forged `tradebucket.*`
+///    headers, extras nested at and one over the limit), in batches of
+///    every codec the local broker serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s8_hostile_records() {
+    let n = events(10_000, 100_000);
+    let bad = pick(60, 400);
+    let big = pick(3, 20);
+    let (odd, deep) = (pick(200, 2000), pick(20, 200));
+    let chunks = pick(8, 20);
+    let mut s = Scenario::start(
+        "s8-hostile",
+        "Hostile records: odd header bytes, over 1 MB, tombstones, forged headers, deep nesting, every codec",
+        4,
+        &[],
+    )
+    .await;
+    let mut goods = good_events(8, n - bad, true);
+    harden_goods(&mut goods, odd, deep, 808);
+    let recs = number(with_hostile(goods, bad, big, 88));
+    let placed = produce_compressed(&s.stack.env.kafka, &s.stack.env.topic, &recs, chunks).await;
+    let w = s.fleet.start();
+    s.fault(format!(
+        "{bad} hostile records ({big} over 1 MB) among {} in {chunks} chunks compressed {}",
+        recs.len(),
+        CODECS.join("/")
+    ));
+    s.note("good_trades_with_odd_headers", json!(odd));
+    s.note("good_trades_nested_97_levels", json!(deep));
+    s.finish(vec![w], &recs, &placed).await;
 }

@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use rdkafka::message::{Message, OwnedMessage};
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 
-use testkit::{audit_json, header, poll_until, TestEnv, WorkerProcess};
+use testkit::{audit_json, header, headers_of, poll_until, Produced, TestEnv, WorkerProcess};
+use tradebucket::kafka::headers::Header;
 
 use crate::harness::*;
 
@@ -158,20 +160,28 @@ struct DeadLetters {
     kinds: BTreeMap<String, (usize, usize)>,
     /// Per poison recipe: how many were produced.
     poisons: BTreeMap<&'static str, usize>,
+    /// Dead letters in the shortened form: (expected, actual).
+    shortened: (usize, usize),
 }
 
 /// Exactly the bad events, each once, with the original key, payload and
-/// headers and the error/source headers.
+/// headers (or their shortened form) and the error/source headers.
 fn check_dead_letters(env: &TestEnv, recs: &[Rec], placed: &[(i32, i64)]) -> DeadLetters {
     let by_pos: HashMap<(i32, i64), usize> =
         placed.iter().enumerate().map(|(i, &po)| (po, i)).collect();
     let mut d = DeadLetters::default();
     let mut bad_expected: HashSet<usize> = HashSet::new();
     for (i, r) in recs.iter().enumerate() {
-        if let Class::Bad { kind, poison } = r.class {
+        if let Class::Bad {
+            kind,
+            poison,
+            shortened,
+        } = r.class
+        {
             bad_expected.insert(i);
             d.kinds.entry(kind.to_string()).or_default().0 += 1;
             *d.poisons.entry(poison).or_default() += 1;
+            d.shortened.0 += usize::from(shortened);
         }
     }
     let dl = env.dead_letters_to_end();
@@ -179,6 +189,7 @@ fn check_dead_letters(env: &TestEnv, recs: &[Rec], placed: &[(i32, i64)]) -> Dea
     for m in &dl {
         let kind = header(m, "tradebucket.error.kind").unwrap_or_default();
         d.kinds.entry(kind.clone()).or_default().1 += 1;
+        d.shortened.1 += usize::from(header(m, "tradebucket.shortened").is_some());
         let pos = header(m, "tradebucket.source.partition")
             .and_then(|p| p.parse::<i32>().ok())
             .zip(header(m, "tradebucket.source.offset").and_then(|o| o.parse::<i64>().ok()));
@@ -191,14 +202,24 @@ fn check_dead_letters(env: &TestEnv, recs: &[Rec], placed: &[(i32, i64)]) -> Dea
             continue;
         }
         let r = &recs[i];
-        let Class::Bad { kind: want, poison } = r.class else {
+        let Class::Bad {
+            kind: want,
+            poison,
+            shortened,
+        } = r.class
+        else {
             d.wrong.push(format!(
                 "record {i} ({:?}) dead-lettered as {kind}",
                 r.class
             ));
             continue;
         };
-        let problems = dead_letter_problems(m, r, &kind, want, &env.topic);
+        let want = Want {
+            kind: want,
+            shortened,
+            topic: &env.topic,
+        };
+        let problems = dead_letter_problems(m, r, &want);
         if !problems.is_empty() {
             d.wrong
                 .push(format!("record {i} ({poison}): {}", problems.join(", ")));
@@ -211,35 +232,155 @@ fn check_dead_letters(env: &TestEnv, recs: &[Rec], placed: &[(i32, i64)]) -> Dea
     d
 }
 
-/// What is wrong with dead letter `m` of record `r` (of kind `kind`,
-/// expected `want`), if anything.
-fn dead_letter_problems(
-    m: &OwnedMessage,
-    r: &Rec,
-    kind: &str,
-    want: &str,
-    topic: &str,
-) -> Vec<String> {
+/// What the dead letter of one bad record must say.
+struct Want<'a> {
+    kind: &'static str,
+    shortened: bool,
+    topic: &'a str,
+}
+
+/// The headers tradebucket writes on every dead letter.
+const OURS: [&str; 5] = [
+    "tradebucket.error.kind",
+    "tradebucket.error.message",
+    "tradebucket.source.topic",
+    "tradebucket.source.partition",
+    "tradebucket.source.offset",
+];
+
+/// The headers it adds on a shortened dead letter only.
+const OURS_SHORTENED: [&str; 3] = [
+    "tradebucket.shortened",
+    "tradebucket.payload.length",
+    "tradebucket.payload.sha256",
+];
+
+/// What a shortened dead letter keeps of the payload and of the key.
+const KEPT_BYTES: usize = 1024;
+
+/// What is wrong with dead letter `m` of record `r`, if anything.
+fn dead_letter_problems(m: &OwnedMessage, r: &Rec, want: &Want<'_>) -> Vec<String> {
+    let headers = headers_of(m);
+    let mut problems = our_header_problems(m, &headers, want);
+    problems.extend(if want.shortened {
+        shortened_content_problems(m, &headers, &r.msg)
+    } else {
+        content_problems(m, &headers, &r.msg)
+    });
+    problems
+}
+
+/// Ours: each exactly once (an inbound `tradebucket.*` header, forged or
+/// not, must not show as a second one), the kind the README promises, a
+/// message, the source topic. (Partition and offset found the record.)
+fn our_header_problems(m: &OwnedMessage, headers: &[Header], want: &Want<'_>) -> Vec<String> {
     let mut problems = Vec::new();
-    if kind != want {
-        problems.push(format!("kind {kind}, expected {want}"));
+    let count = |name: &str| headers.iter().filter(|(k, _)| k == name.as_bytes()).count();
+    for name in OURS {
+        if count(name) != 1 {
+            problems.push(format!("{name} {} times", count(name)));
+        }
+    }
+    for name in OURS_SHORTENED {
+        if count(name) != usize::from(want.shortened) {
+            problems.push(format!("{name} {} times", count(name)));
+        }
+    }
+    let kind = header(m, "tradebucket.error.kind").unwrap_or_default();
+    if kind != want.kind {
+        problems.push(format!("kind {kind}, expected {}", want.kind));
     }
     if header(m, "tradebucket.error.message").is_none_or(|s| s.is_empty()) {
         problems.push("no error message".into());
     }
-    if header(m, "tradebucket.source.topic").as_deref() != Some(topic) {
+    if header(m, "tradebucket.source.topic").as_deref() != Some(want.topic) {
         problems.push("wrong source topic".into());
     }
-    if m.key() != r.msg.key.as_ref().map(|k| k.as_bytes()) {
+    problems
+}
+
+/// Whether a header name is in tradebucket's namespace.
+fn ours(name: &[u8]) -> bool {
+    name.starts_with(b"tradebucket.")
+}
+
+/// The original headers a full dead letter of `p` carries, in order, as
+/// bytes: a name cut at its first NUL (librdkafka hands names out as C
+/// strings, src/kafka/headers.rs), and none in tradebucket's namespace
+/// (a producer cannot forge ours).
+fn expected_original_headers(p: &Produced) -> Vec<Header> {
+    let text = p
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_bytes().to_vec(), Some(v.as_bytes().to_vec())));
+    text.chain(p.raw_headers.iter().cloned())
+        .map(|(mut name, value)| {
+            if let Some(nul) = name.iter().position(|&b| b == 0) {
+                name.truncate(nul);
+            }
+            (name, value)
+        })
+        .filter(|(name, _)| !ours(name))
+        .collect()
+}
+
+/// Headers as `name=value` with bytes escaped, `name` alone for a null value.
+fn show(headers: &[Header]) -> String {
+    let one = |(k, v): &Header| match v {
+        Some(v) => format!("{}={}", k.escape_ascii(), v.escape_ascii()),
+        None => k.escape_ascii().to_string(),
+    };
+    headers.iter().map(one).collect::<Vec<_>>().join(", ")
+}
+
+/// The full form: the original key, payload and headers, unchanged.
+fn content_problems(m: &OwnedMessage, headers: &[Header], p: &Produced) -> Vec<String> {
+    let mut problems = Vec::new();
+    if m.key() != p.key.as_ref().map(|k| k.as_bytes()) {
         problems.push("original key lost".into());
     }
-    if m.payload().unwrap_or_default() != r.msg.payload.as_deref().unwrap_or_default() {
+    // Null and empty alike, as they always were here.
+    if m.payload().unwrap_or_default() != p.payload.as_deref().unwrap_or_default() {
         problems.push("original payload changed".into());
     }
-    for (k, v) in &r.msg.headers {
-        if header(m, k).as_deref() != Some(v.as_str()) {
-            problems.push(format!("original header {k} lost"));
-        }
+    let originals: Vec<Header> = headers.iter().filter(|(k, _)| !ours(k)).cloned().collect();
+    let expected = expected_original_headers(p);
+    if originals != expected {
+        problems.push(format!(
+            "original headers [{}], expected [{}]",
+            show(&originals),
+            show(&expected)
+        ));
+    }
+    problems
+}
+
+/// The shortened form: the first bytes of key and payload, no original
+/// headers, and the original payload's length and SHA-256.
+fn shortened_content_problems(m: &OwnedMessage, headers: &[Header], p: &Produced) -> Vec<String> {
+    let mut problems = Vec::new();
+    let payload = p.payload.as_deref().unwrap_or_default();
+    let cut = |b: &[u8]| b[..b.len().min(KEPT_BYTES)].to_vec();
+    if m.key().map(cut) != p.key.as_ref().map(|k| cut(k.as_bytes())) {
+        problems.push("key not its first bytes".into());
+    }
+    if m.payload().map(cut) != Some(cut(payload))
+        || m.payload().map(<[u8]>::len) != Some(KEPT_BYTES.min(payload.len()))
+    {
+        problems.push("payload not its first bytes".into());
+    }
+    if headers.iter().any(|(k, _)| !ours(k)) {
+        problems.push("original headers kept".into());
+    }
+    if header(m, "tradebucket.payload.length") != Some(payload.len().to_string()) {
+        problems.push("wrong payload length".into());
+    }
+    let digest: String = Sha256::digest(payload)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    if header(m, "tradebucket.payload.sha256") != Some(digest) {
+        problems.push("wrong payload digest".into());
     }
     problems
 }
@@ -261,6 +402,7 @@ impl Scenario {
     ) {
         assert_eq!(recs.len(), placed.len(), "every record was produced");
         let settled = self.settle(workers).await;
+        self.check_logs();
         let trades = check_trades(&self.stack.env.histories().await, &expected(recs, placed));
         let audit = audit_binary(&self.vars);
         let dead = check_dead_letters(&self.stack.env, recs, placed);
@@ -283,8 +425,17 @@ impl Scenario {
         })
         .await;
         let seconds_until_committed_to_end = self.started.elapsed().as_secs_f64();
-        for w in workers {
-            self.sigterm(w);
+        for mut w in workers {
+            // Every worker handed over was meant to be running: one that
+            // ended by itself (a panic, a fatal error) is a failure even if
+            // another took its partitions over.
+            // (Reaped by now: it gets no signal, its pid may be reused.)
+            match w.exited() {
+                Some(status) => self
+                    .failures
+                    .push(format!("worker {} exited by itself: {status}", w.id())),
+                None => self.sigterm(w),
+            }
         }
         let committed = self.stack.committed();
         let committed_to_end = reached && committed.as_ref() == Some(&self.stack.end_offsets());
@@ -292,6 +443,22 @@ impl Scenario {
             seconds_until_committed_to_end,
             committed,
             committed_to_end,
+        }
+    }
+
+    /// A panic in a worker's log is a failure even when the process went
+    /// on (a task of its own can panic alone).
+    fn check_logs(&mut self) {
+        let dir = report_dir().join("logs").join(self.name);
+        let logs = std::fs::read_dir(&dir).into_iter().flatten().flatten();
+        for log in logs {
+            let text = String::from_utf8_lossy(&std::fs::read(log.path()).unwrap_or_default())
+                .into_owned();
+            if let Some(line) = text.lines().find(|l| l.contains("panicked")) {
+                let name = log.file_name();
+                self.failures
+                    .push(format!("{}: {line}", name.to_string_lossy()));
+            }
         }
     }
 
@@ -336,6 +503,7 @@ impl Scenario {
             "dead_letters_missing": dead.missing.len(),
             "dead_letters_wrong": dead.wrong.len(),
             "dead_letter_kinds_expected_actual": dead.kinds,
+            "dead_letters_shortened_expected_actual": dead.shortened,
             "audit_exit_code": audit.0,
             "audit": audit.1,
             "committed_to_end": settled.committed_to_end,
@@ -387,6 +555,10 @@ impl Scenario {
         assert!(
             dead.missing.is_empty() && dead.wrong.is_empty(),
             "dead letters wrong"
+        );
+        assert_eq!(
+            dead.shortened.0, dead.shortened.1,
+            "dead letters in the shortened form"
         );
         assert!(
             settled.committed_to_end,
