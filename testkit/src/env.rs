@@ -20,6 +20,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 
 use tradebucket::bucket::store::BucketStore;
@@ -62,19 +63,33 @@ pub fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
         .expect("admin client")
 }
 
+/// Creates `name`. The local broker serves its storage one request at a
+/// time, so on a loaded machine an admin request can time out while the
+/// broker is busy (seen once with two suites and a build running together):
+/// it is tried three times, and a topic that an earlier, timed-out attempt
+/// did create counts as created.
 pub async fn create_topic(brokers: &str, name: &str, partitions: i32) {
     let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
-    let results = admin(brokers)
-        .create_topics(
-            [&topic],
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-        )
-        .await
-        .unwrap_or_else(|e| {
-            panic!("cannot reach Kafka at {brokers} ({e}); start it with scripts/stack start")
-        });
-    for r in results {
-        r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for attempt in 1..=3 {
+        let results = match admin(brokers).create_topics([&topic], &options).await {
+            Ok(results) => results,
+            Err(e) if attempt < 3 => {
+                eprintln!("create topic {name}: {e}; trying again");
+                continue;
+            }
+            Err(e) => {
+                panic!("cannot reach Kafka at {brokers} ({e}); start it with scripts/stack start")
+            }
+        };
+        for r in results {
+            match r {
+                Ok(_) => {}
+                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) if attempt > 1 => {}
+                Err((t, e)) => panic!("create topic {t}: {e}"),
+            }
+        }
+        return;
     }
 }
 
