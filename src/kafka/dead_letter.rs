@@ -32,10 +32,19 @@ pub struct DeadLetter {
     /// The original record's headers, as bytes.
     pub headers: Vec<Header>,
     pub reject: Reject,
-    /// Set when this is the shortened form: what [`H_SHORTENED`] says.
-    pub shortened: Option<String>,
-    /// Length and SHA-256 (hex) of the original payload, when shortened.
-    pub original_payload: Option<(usize, String)>,
+    /// Set when this is the shortened form (see [`DeadLetter::shortened`]).
+    pub shortened: Option<Shortened>,
+}
+
+/// What a shortened dead letter says of its original, in its headers.
+#[derive(Debug, Clone)]
+pub struct Shortened {
+    /// What was left out ([`H_SHORTENED`]).
+    pub note: String,
+    /// The original payload's length ([`H_PAYLOAD_LENGTH`]).
+    pub payload_length: usize,
+    /// The original payload's SHA-256, hex ([`H_PAYLOAD_SHA256`]).
+    pub payload_sha256: String,
 }
 
 impl DeadLetter {
@@ -68,8 +77,11 @@ impl DeadLetter {
             key: cut(&self.key),
             payload: cut(&self.payload),
             headers: Vec::new(),
-            shortened: Some(note),
-            original_payload: Some((payload.len(), digest)),
+            shortened: Some(Shortened {
+                note,
+                payload_length: payload.len(),
+                payload_sha256: digest,
+            }),
             ..self.clone()
         }
     }
@@ -124,12 +136,12 @@ fn dead_letter_headers(dl: &DeadLetter) -> OwnedHeaders {
     ] {
         headers::add(&mut out, name.as_bytes(), Some(value.as_bytes()));
     }
-    if let (Some(note), Some((length, digest))) = (&dl.shortened, &dl.original_payload) {
-        let length = length.to_string();
+    if let Some(short) = &dl.shortened {
+        let length = short.payload_length.to_string();
         for (name, value) in [
-            (H_SHORTENED, note.as_str()),
+            (H_SHORTENED, short.note.as_str()),
             (H_PAYLOAD_LENGTH, length.as_str()),
-            (H_PAYLOAD_SHA256, digest.as_str()),
+            (H_PAYLOAD_SHA256, short.payload_sha256.as_str()),
         ] {
             headers::add(&mut out, name.as_bytes(), Some(value.as_bytes()));
         }
@@ -158,7 +170,6 @@ mod tests {
             ],
             reject: Reject::new(RejectKind::NotJson, "bad"),
             shortened: None,
-            original_payload: None,
         };
         let out = headers::read(Some(dead_letter_headers(&dl).as_borrowed()));
         let text = |n: &str| -> Vec<Vec<u8>> {
@@ -186,7 +197,6 @@ mod tests {
             headers: vec![(b"big".to_vec(), Some(vec![0; 100_000]))],
             reject: Reject::new(RejectKind::Oversize, "too big"),
             shortened: None,
-            original_payload: None,
         };
         let short = dl.shortened();
         assert_eq!(short.payload.as_ref().map(Vec::len), Some(KEPT_BYTES));

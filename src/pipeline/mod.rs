@@ -151,8 +151,6 @@ pub(crate) struct Worker<I, B, D> {
     health: Arc<Health>,
     /// Hot-path warnings (dead letters, consumer errors): one per second.
     dead_letter_log: Throttle,
-    /// Dead letters refused for their size, to send again shortened.
-    shortened_now: Vec<DeadLetter>,
     /// A fatal consumer error: the loop ends after the batch in hand.
     fatal: Option<String>,
     consumer_error_log: Throttle,
@@ -186,7 +184,6 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             metrics,
             health,
             dead_letter_log: Throttle::new(HOT_LOG_EVERY),
-            shortened_now: Vec::new(),
             fatal: None,
             consumer_error_log: Throttle::new(HOT_LOG_EVERY),
         }
@@ -398,13 +395,15 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             let sends = todo.iter().map(|dl| self.dead_letters.send(dl));
             let results = futures::future::join_all(sends).await;
             let (mut failed, mut last_error) = (Vec::new(), None);
+            // Refused for their size: sent again at once, shortened.
+            let mut shortened = Vec::new();
             for (dl, r) in todo.into_iter().zip(results) {
                 match r {
                     Ok(()) => self.dead_lettered(&dl),
                     Err(e) if DeadLetter::is_size_refusal(&e) && dl.shortened.is_none() => {
                         tracing::warn!(topic = %dl.topic, partition = dl.partition, offset = dl.offset,
                             "dead letter too large for the dead-letter topic; sending it shortened");
-                        self.shortened_now.push(dl.shortened());
+                        shortened.push(dl.shortened());
                     }
                     Err(e) => {
                         last_error = Some(e);
@@ -420,7 +419,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                     .await;
             }
             todo = failed;
-            todo.append(&mut self.shortened_now);
+            todo.append(&mut shortened);
         }
     }
 
@@ -561,7 +560,6 @@ fn dead_letter_of(r: &Record, reject: &Reject) -> DeadLetter {
         headers: r.headers.clone(),
         reject: reject.clone(),
         shortened: None,
-        original_payload: None,
     }
 }
 

@@ -257,18 +257,23 @@ pub const POISON: [(&str, &str); 15] = [
     ("invalid_utf8", "not_utf8"),
 ];
 
-/// One bad event of kind `POISON[k]`. Each starts from a complete trade
-/// with its own `tradeId`, so a bad event that got stored anyway would show
-/// up in MongoDB as an unexpected trade.
-fn poison(k: usize, i: usize, rng: &mut StdRng) -> Rec {
-    let (name, kind) = POISON[k];
-    let customer = rng.random_range(0..CUSTOMERS);
-    let t = trade(format!("BAD-{i}"))
+/// The complete trade a bad event starts from, with its own `tradeId`, so
+/// a bad event that got stored anyway would show up in MongoDB as an
+/// unexpected trade.
+pub fn bad_trade(id: String, customer: u64) -> Value {
+    trade(id)
         .customer(customer)
         .qty(5)
         .price("1.25")
         .date("2024-01-01T00:00:00Z")
-        .json();
+        .json()
+}
+
+/// One bad event of kind `POISON[k]`, from a [`bad_trade`].
+fn poison(k: usize, i: usize, rng: &mut StdRng) -> Rec {
+    let (name, kind) = POISON[k];
+    let customer = rng.random_range(0..CUSTOMERS);
+    let t = bad_trade(format!("BAD-{i}"), customer);
     Rec {
         msg: Produced {
             key: Some(customer.to_string()),

@@ -13,7 +13,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use testkit::{trade, Produced};
+use testkit::Produced;
 use tradebucket::kafka::headers::Header;
 
 use crate::harness::*;
@@ -136,12 +136,7 @@ fn hostile_payload(name: &str, mut t: Value) -> Option<Vec<u8>> {
 fn hostile(k: usize, i: usize, rng: &mut StdRng) -> Rec {
     let (name, kind) = HOSTILE[k];
     let customer = rng.random_range(0..CUSTOMERS);
-    let t = trade(format!("HOSTILE-{i}"))
-        .customer(customer)
-        .qty(5)
-        .price("1.25")
-        .date("2024-01-01T00:00:00Z")
-        .json();
+    let t = bad_trade(format!("HOSTILE-{i}"), customer);
     let mut raw = Vec::new();
     if name == "odd_headers_not_json" || rng.random_bool(0.7) {
         raw.extend(odd_headers(rng));
