@@ -2,7 +2,9 @@
 //! update, and the HTTP endpoints read. Its own module so that neither side
 //! depends on the other.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// What `/healthz` and `/readyz` report.
@@ -18,6 +20,12 @@ pub struct Health {
     /// The dead-letter topic refuses writes (other than for one record's
     /// size): the partition waits for it.
     pub dead_letters_failing: AtomicBool,
+    /// The Kafka client skipped records it could not read: no offset is
+    /// committed any more (see `Worker::consumer_error`).
+    pub records_skipped: AtomicBool,
+    /// Assigned partitions with records waiting that the consumer has not
+    /// read for `timeouts.partition_stall`, described for the operator.
+    pub stalled_partitions: Mutex<Vec<String>>,
     /// Shutting down: no new batches.
     pub draining: AtomicBool,
     /// Unix millis of the loop's last turn; a stale value means wedged.
@@ -30,7 +38,18 @@ impl Health {
     }
 
     /// `Err(reason)` when the worker should not receive traffic.
-    pub fn readiness(&self) -> Result<(), &'static str> {
+    pub fn readiness(&self) -> Result<(), Cow<'static, str>> {
+        self.fixed_readiness().map_err(Cow::Borrowed)?;
+        match self.stalled_partitions.lock() {
+            Ok(stalled) if !stalled.is_empty() => Err(Cow::Owned(format!(
+                "Kafka partitions not being read: {}",
+                stalled.join(", ")
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn fixed_readiness(&self) -> Result<(), &'static str> {
         if self.draining.load(Ordering::Relaxed) {
             Err("draining: shutting down")
         } else if !self.subscribed.load(Ordering::Relaxed) {
@@ -41,6 +60,8 @@ impl Health {
             Err("MongoDB unreachable")
         } else if self.dead_letters_failing.load(Ordering::Relaxed) {
             Err("the dead-letter topic refuses writes: being retried, the partition waits")
+        } else if self.records_skipped.load(Ordering::Relaxed) {
+            Err("the Kafka client skipped records it could not read: offsets are no longer committed")
         } else {
             Ok(())
         }
@@ -74,16 +95,24 @@ mod tests {
     fn readiness_names_the_first_reason() {
         let h = Health::default();
         assert_eq!(
-            h.readiness(),
-            Err("starting: not yet subscribed to the consumer group")
+            h.readiness().unwrap_err(),
+            "starting: not yet subscribed to the consumer group"
         );
         h.subscribed.store(true, Ordering::Relaxed);
         h.mongodb_reachable.store(true, Ordering::Relaxed);
-        assert_eq!(h.readiness(), Err("MongoDB writes failing: being retried"));
+        assert_eq!(
+            h.readiness().unwrap_err(),
+            "MongoDB writes failing: being retried"
+        );
         h.mongodb_ok.store(true, Ordering::Relaxed);
         assert_eq!(h.readiness(), Ok(()));
+        *h.stalled_partitions.lock().unwrap() = vec!["t/0 (3 records waiting unread)".into()];
+        assert_eq!(
+            h.readiness().unwrap_err(),
+            "Kafka partitions not being read: t/0 (3 records waiting unread)"
+        );
         h.draining.store(true, Ordering::Relaxed);
-        assert_eq!(h.readiness(), Err("draining: shutting down"));
+        assert_eq!(h.readiness().unwrap_err(), "draining: shutting down");
     }
 
     #[test]

@@ -40,6 +40,10 @@ const ASSIGNED_PARTITIONS: Def = (
     "tradebucket_assigned_partitions",
     "Partitions currently assigned to this instance.",
 );
+const STALLED_PARTITIONS: Def = (
+    "tradebucket_stalled_partitions",
+    "Assigned partitions with records waiting that the consumer has not read for timeouts.partition_stall.",
+);
 const READY: Def = (
     "tradebucket_ready",
     "1 when the worker is ready (subscribed, MongoDB reachable, not draining), else 0.",
@@ -51,7 +55,7 @@ const EVENTS_DEAD_LETTERED_TOTAL: Def = (
 );
 const CONSUMER_ERRORS_TOTAL: Def = (
     "tradebucket_consumer_errors_total",
-    "Errors the Kafka consumer reported, by kind: transport, offset_reset, unknown_topic_or_partition, authorization, fatal, other.",
+    "Errors the Kafka consumer reported, by kind: transport, offset_reset, unknown_topic_or_partition, authorization, fatal, skipped_records, other.",
 );
 const RETRIES_TOTAL: Def = (
     "tradebucket_retries_total",
@@ -94,6 +98,7 @@ pub struct Metrics {
     pub end_to_end_delay: Histogram,
     pub in_flight_events: IntGauge,
     pub assigned_partitions: IntGauge,
+    pub stalled_partitions: IntGauge,
     /// 1 when `/readyz` answers 200; set at each scrape, so alerts see
     /// exactly what the probe sees.
     pub ready: IntGauge,
@@ -158,6 +163,7 @@ impl Metrics {
             ),
             in_flight_events: gauge(&r, IN_FLIGHT_EVENTS),
             assigned_partitions: gauge(&r, ASSIGNED_PARTITIONS),
+            stalled_partitions: gauge(&r, STALLED_PARTITIONS),
             ready: gauge(&r, READY),
             registry: r,
         };

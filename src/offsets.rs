@@ -43,6 +43,9 @@ pub struct OffsetTracker {
     /// The first offset consumed per partition since assignment: the commit
     /// never needs to name anything at or below it until it advances.
     start: BTreeMap<TopicPartition, i64>,
+    /// Once frozen (see [`OffsetTracker::freeze`]): the highest commit each
+    /// partition may still make. A partition without one commits nothing.
+    ceiling: Option<BTreeMap<TopicPartition, i64>>,
 }
 
 impl OffsetTracker {
@@ -71,14 +74,35 @@ impl OffsetTracker {
         self.start.retain(|tp, _| keep(tp));
     }
 
+    /// From now on, no partition commits past what has been consumed so
+    /// far: for when the client reports that it skipped records of some
+    /// partition without saying which. Records consumed before the report
+    /// still commit (a partition's records and errors arrive in order);
+    /// records consumed after it never do. A second freeze keeps the first
+    /// one's ceilings.
+    pub fn freeze(&mut self) {
+        if self.ceiling.is_none() {
+            let ceiling = self
+                .parts
+                .iter()
+                .filter_map(|(tp, t)| Some((tp.clone(), t.highest? + 1)))
+                .collect();
+            self.ceiling = Some(ceiling);
+        }
+    }
+
     /// Offsets (next to read) that advanced since the last call, per
     /// partition, and marks them as handed out.
     pub fn take_commits(&mut self) -> Vec<(TopicPartition, i64)> {
         let mut out = Vec::new();
         for (tp, t) in self.parts.iter_mut() {
             let start = self.start.get(tp).copied().unwrap_or(i64::MIN);
-            if let Some(next) = t.next(start) {
-                if t.committed.is_none_or(|c| next > c) {
+            let cap = match &self.ceiling {
+                None => i64::MAX,
+                Some(ceiling) => ceiling.get(tp).copied().unwrap_or(i64::MIN),
+            };
+            if let Some(next) = t.next(start).map(|n| n.min(cap)) {
+                if next > start && t.committed.is_none_or(|c| next > c) {
                     t.committed = Some(next);
                     out.push((tp.clone(), next));
                 }
@@ -100,6 +124,29 @@ mod tests {
 
     fn tp(p: i32) -> TopicPartition {
         ("t".to_string(), p)
+    }
+
+    #[test]
+    fn a_frozen_tracker_commits_only_what_was_consumed_before() {
+        let mut t = OffsetTracker::new();
+        for o in 0..4 {
+            t.consumed(&tp(0), o);
+        }
+        t.freeze();
+        // Consumed after the freeze: maybe past records the client skipped.
+        t.consumed(&tp(0), 7);
+        t.consumed(&tp(1), 0);
+        for (p, o) in [(0, 0), (0, 1), (0, 2), (0, 3), (0, 7), (1, 0)] {
+            t.handled(&tp(p), o);
+        }
+        assert_eq!(t.take_commits(), vec![(tp(0), 4)]);
+        t.freeze();
+        t.consumed(&tp(0), 8);
+        t.handled(&tp(0), 8);
+        assert!(
+            t.take_commits().is_empty(),
+            "a second freeze raises nothing"
+        );
     }
 
     #[test]

@@ -231,6 +231,11 @@ pub struct TimeoutSettings {
     /// long.
     #[serde(with = "humantime_serde")]
     pub liveness_stall: Duration,
+    /// `/readyz` answers 503 once an assigned partition with records
+    /// waiting has not been read for this long (while nothing of it waited
+    /// for the worker).
+    #[serde(with = "humantime_serde")]
+    pub partition_stall: Duration,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -441,6 +446,7 @@ impl Settings {
             ("timeouts.mongodb_ping", t.mongodb_ping),
             ("timeouts.dead_letter_delivery", t.dead_letter_delivery),
             ("timeouts.liveness_stall", t.liveness_stall),
+            ("timeouts.partition_stall", t.partition_stall),
         ];
         if let Some((field, _)) = limits.iter().find(|(_, d)| d.is_zero()) {
             return Err(invalid(field, "must be positive"));

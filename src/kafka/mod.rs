@@ -8,10 +8,10 @@
 //! tell it what changed as [`GroupEvent`] messages, which it reads before
 //! it commits: it commits only partitions it still owns.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
@@ -33,8 +33,10 @@ use crate::offsets::TopicPartition;
 
 mod dead_letter;
 pub mod headers;
+pub mod stall;
 
 pub use dead_letter::{send_dead_letter, DeadLetter, OUR_HEADER_PREFIX};
+use stall::{Observed, StallWatch};
 
 /// Header names on dead-letter records.
 pub const H_ERROR_KIND: &str = "tradebucket.error.kind";
@@ -72,17 +74,21 @@ pub fn consumer_error_kind(e: &KafkaError) -> &'static str {
             | C::SaslAuthenticationFailed,
         ) => "authorization",
         Some(C::Fatal) => "fatal",
+        // librdkafka reports these for records it skips and never delivers:
+        // a failed CRC (with `check.crcs`), a record format it does not know.
+        Some(C::BadMessage | C::NotImplemented) => "skipped_records",
         _ => "other",
     }
 }
 
 /// Every value [`consumer_error_kind`] returns.
-pub const CONSUMER_ERROR_KINDS: [&str; 6] = [
+pub const CONSUMER_ERROR_KINDS: [&str; 7] = [
     "transport",
     "offset_reset",
     "unknown_topic_or_partition",
     "authorization",
     "fatal",
+    "skipped_records",
     "other",
 ];
 
@@ -100,6 +106,8 @@ pub struct ConsumerCtx {
     /// The partitions this member owns, for the statistics callback's lag
     /// series only (it runs on librdkafka's own thread, not the loop's).
     owned: Mutex<BTreeSet<TopicPartition>>,
+    /// Fetch progress of the owned partitions, for the stall watcher.
+    stalls: Arc<Mutex<StallWatch>>,
     metrics: Metrics,
 }
 
@@ -119,7 +127,9 @@ impl ClientContext for ConsumerCtx {
                     continue;
                 }
                 let label = partition.to_string();
-                if assigned.contains(&(topic.clone(), *partition)) {
+                let tp = (topic.clone(), *partition);
+                if assigned.contains(&tp) {
+                    self.observe(&tp, p);
                     if p.consumer_lag >= 0 {
                         self.metrics
                             .consumer_lag
@@ -135,8 +145,18 @@ impl ClientContext for ConsumerCtx {
 }
 
 impl ConsumerCtx {
-    /// Records an assignment change for the lag series and the gauge, and
-    /// tells the loop.
+    fn observe(&self, tp: &TopicPartition, p: &rdkafka::statistics::Partition) {
+        let seen = Observed {
+            next: p.next_offset,
+            queued: p.fetchq_cnt,
+        };
+        if let Ok(mut stalls) = self.stalls.lock() {
+            stalls.observe(tp, seen, Instant::now());
+        }
+    }
+
+    /// Records an assignment change for the lag series, the gauge and the
+    /// stall watcher, and tells the loop.
     fn changed(&self, event: GroupEvent) {
         if let Ok(mut owned) = self.owned.lock() {
             match &event {
@@ -146,6 +166,9 @@ impl ConsumerCtx {
                 }),
             }
             self.metrics.assigned_partitions.set(owned.len() as i64);
+            if let Ok(mut stalls) = self.stalls.lock() {
+                stalls.retain(|tp| owned.contains(tp));
+            }
         }
         // The receiver is gone only when the loop has ended.
         let _ = self.events.send(event);
@@ -292,16 +315,24 @@ fn producer_config(settings: &Settings) -> ClientConfig {
     )
 }
 
-/// The group consumer, subscribed, and the receiving end of its
-/// rebalance callbacks' [`GroupEvent`]s.
-pub fn consumer(
-    settings: &Settings,
-    metrics: Metrics,
-) -> Result<(StreamConsumer<ConsumerCtx>, Receiver<GroupEvent>), SetupError> {
+/// The group consumer, subscribed; the receiving end of its rebalance
+/// callbacks' [`GroupEvent`]s; and the fetch progress its statistics
+/// report.
+pub struct GroupConsumer {
+    pub consumer: StreamConsumer<ConsumerCtx>,
+    pub events: Receiver<GroupEvent>,
+    pub stalls: Arc<Mutex<StallWatch>>,
+}
+
+pub fn consumer(settings: &Settings, metrics: Metrics) -> Result<GroupConsumer, SetupError> {
     let (events, received) = channel();
+    let stalls = Arc::new(Mutex::new(StallWatch::new(
+        settings.timeouts.partition_stall,
+    )));
     let context = ConsumerCtx {
         events,
         owned: Mutex::new(BTreeSet::new()),
+        stalls: stalls.clone(),
         metrics,
     };
     let consumer: StreamConsumer<ConsumerCtx> = consumer_config(settings)
@@ -311,7 +342,45 @@ pub fn consumer(
     consumer
         .subscribe(&topics)
         .map_err(|e| SetupError::new(settings, e))?;
-    Ok((consumer, received))
+    Ok(GroupConsumer {
+        consumer,
+        events: received,
+        stalls,
+    })
+}
+
+/// A client of its own for asking Kafka where partitions end: it joins no
+/// group and fetches nothing. The stall watcher's queries block, so they
+/// run on a blocking thread, away from the loop's consumer.
+pub fn end_offsets_client(settings: &Settings) -> Result<BaseConsumer, SetupError> {
+    client_config(settings, &[], &[])
+        .create()
+        .map_err(|e| SetupError::new(settings, e))
+}
+
+/// The end offset (at the client's `isolation.level`: the last stable
+/// offset by default) of each of `tps`, in one ListOffsets request per
+/// broker. Partitions Kafka answered with an error are left out.
+pub fn end_offsets(
+    client: &BaseConsumer,
+    tps: &[TopicPartition],
+    timeout: Duration,
+) -> KafkaResult<BTreeMap<TopicPartition, i64>> {
+    let mut query = TopicPartitionList::new();
+    for (topic, partition) in tps {
+        // The "timestamp" -1 asks ListOffsets for the end (Kafka's LATEST).
+        query.add_partition_offset(topic, *partition, rdkafka::Offset::End)?;
+    }
+    let answer = client.offsets_for_times(query, timeout)?;
+    Ok(answer
+        .elements()
+        .iter()
+        .filter(|e| e.error().is_ok())
+        .filter_map(|e| match e.offset() {
+            rdkafka::Offset::Offset(end) => Some(((e.topic().to_string(), e.partition()), end)),
+            _ => None,
+        })
+        .collect())
 }
 
 pub fn producer(settings: &Settings) -> Result<FutureProducer, SetupError> {

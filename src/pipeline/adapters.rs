@@ -1,11 +1,13 @@
 //! The production side of the loop's seams: the Kafka consumer as its
 //! [`Intake`], the dead-letter producer as its [`DeadLetterSink`], the
-//! bucket writer as its [`BucketSink`], and the MongoDB watcher that keeps
-//! readiness current while the loop has nothing to write.
+//! bucket writer as its [`BucketSink`], and the watchers that keep
+//! readiness current apart from the loop: MongoDB reachable, Kafka
+//! partitions read.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
@@ -21,6 +23,7 @@ use crate::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use crate::config::{Settings, TimeoutSettings};
 use crate::event::{Source, Trade};
 use crate::health::Health;
+use crate::kafka::stall::{self, StallWatch};
 use crate::kafka::{self, ConsumerCtx, DeadLetter, GroupEvent};
 use crate::metrics::Metrics;
 use crate::offsets::TopicPartition;
@@ -32,14 +35,10 @@ pub(crate) struct KafkaIntake {
 }
 
 impl KafkaIntake {
-    pub fn new(
-        consumer: StreamConsumer<ConsumerCtx>,
-        events: Receiver<GroupEvent>,
-        metrics: Metrics,
-    ) -> Self {
+    pub fn new(group: kafka::GroupConsumer, metrics: Metrics) -> Self {
         KafkaIntake {
-            consumer,
-            events,
+            consumer: group.consumer,
+            events: group.events,
             metrics,
         }
     }
@@ -203,5 +202,81 @@ pub(crate) async fn watch_mongodb(
                 tracing::warn!("MongoDB ping failed: not ready");
             }
         }
+    }
+}
+
+/// How often the partition watcher looks (twice per statistics interval
+/// would find nothing new), and its ListOffsets time limit.
+const PARTITION_CHECK_EVERY: Duration = Duration::from_secs(10);
+const END_OFFSETS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Keeps `Health::stalled_partitions` and its gauge current: asks Kafka
+/// where the suspects of `stalls` end (see [`crate::kafka::stall`]).
+pub(crate) async fn watch_partitions(
+    stalls: Arc<Mutex<StallWatch>>,
+    client: rdkafka::consumer::BaseConsumer,
+    health: Arc<Health>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) {
+    let client = Arc::new(client);
+    let mut reported: Vec<String> = Vec::new();
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(PARTITION_CHECK_EVERY) => {}
+        }
+        let suspects = match stalls.lock() {
+            Ok(watch) => watch.suspects(Instant::now()),
+            Err(_) => return,
+        };
+        let Some(found) = judge(&client, suspects).await else {
+            continue; // Kafka did not answer: judge again next time
+        };
+        let now: Vec<String> = found.iter().map(ToString::to_string).collect();
+        if now != reported {
+            log_stalls(&found, reported.is_empty());
+        }
+        metrics.stalled_partitions.set(found.len() as i64);
+        if let Ok(mut shown) = health.stalled_partitions.lock() {
+            shown.clone_from(&now);
+        }
+        reported = now;
+    }
+}
+
+/// The suspects with records waiting, or `None` if Kafka could not say.
+async fn judge(
+    client: &Arc<rdkafka::consumer::BaseConsumer>,
+    suspects: Vec<(TopicPartition, i64)>,
+) -> Option<Vec<stall::Stalled>> {
+    if suspects.is_empty() {
+        return Some(Vec::new());
+    }
+    let tps: Vec<TopicPartition> = suspects.iter().map(|(tp, _)| tp.clone()).collect();
+    let client = client.clone();
+    let ends =
+        tokio::task::spawn_blocking(move || kafka::end_offsets(&client, &tps, END_OFFSETS_TIMEOUT))
+            .await;
+    match ends {
+        Ok(Ok(ends)) => Some(stall::stalled(&suspects, &ends)),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "cannot ask Kafka where partitions end");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+fn log_stalls(found: &[stall::Stalled], first: bool) {
+    if found.is_empty() {
+        tracing::info!("every assigned Kafka partition is being read again");
+    } else {
+        let list: Vec<String> = found.iter().map(ToString::to_string).collect();
+        tracing::error!(
+            partitions = %list.join(", "),
+            new = first,
+            "Kafka partitions with records waiting are not being read (see the consumer errors logged)"
+        );
     }
 }

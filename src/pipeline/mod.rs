@@ -32,7 +32,7 @@ mod seams;
 #[cfg(test)]
 mod tests;
 
-use adapters::{watch_mongodb, KafkaDeadLetters, KafkaIntake};
+use adapters::{watch_mongodb, watch_partitions, KafkaDeadLetters, KafkaIntake};
 pub use seams::Record;
 use seams::{BucketSink, DeadLetterSink, Intake};
 
@@ -101,8 +101,15 @@ impl Pipeline {
             metrics.clone(),
         );
         let dead_letters = KafkaDeadLetters::new(kafka::producer(&settings)?, settings.clone());
-        let (consumer, events) = kafka::consumer(&settings, metrics.clone())?;
-        let intake = KafkaIntake::new(consumer, events, metrics.clone());
+        let group = kafka::consumer(&settings, metrics.clone())?;
+        tokio::spawn(watch_partitions(
+            group.stalls.clone(),
+            kafka::end_offsets_client(&settings)?,
+            health.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+        let intake = KafkaIntake::new(group, metrics.clone());
         health.subscribed.store(true, Ordering::Relaxed);
         health.tick();
         let worker = Worker::new(settings, intake, writer, dead_letters, metrics, health);
@@ -298,12 +305,27 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             ("offset_reset", _) => {
                 tracing::error!(error = %e, "Kafka consumer reset an offset (out of range)");
             }
+            ("skipped_records", _) => self.records_skipped(e),
             (_, Some(suppressed)) => {
                 tracing::warn!(error = %e, kind, suppressed, "Kafka consumer error");
             }
             (_, None) => {}
         }
         false
+    }
+
+    /// The client skipped records it could not read, and does not say of
+    /// which partition: nothing consumed from now on may be committed, or a
+    /// commit could pass records neither stored nor dead-lettered. Writing
+    /// goes on (a replay is harmless); readiness says why, and an operator
+    /// decides (docs/operations.md, TradebucketRecordsSkipped).
+    fn records_skipped(&mut self, e: &KafkaError) {
+        tracing::error!(
+            error = %e,
+            "the Kafka client skipped records it could not read: offsets are no longer committed past them"
+        );
+        self.tracker.freeze();
+        self.health.records_skipped.store(true, Ordering::Relaxed);
     }
 
     /// Follows the assignment. After a revocation, forgets cached buckets:

@@ -331,8 +331,8 @@ async fn a_failed_write_is_retried_with_backoff_and_not_committed_until_it_succe
     h.until(ms(300)).await;
     assert!(h.commits().is_empty(), "no commit while the write fails");
     assert_eq!(
-        h.health.readiness(),
-        Err("MongoDB writes failing: being retried")
+        h.health.readiness().unwrap_err(),
+        "MongoDB writes failing: being retried"
     );
     h.until(ms(1000)).await;
     let attempts: Vec<Duration> = h.writes().iter().map(|w| w.0).collect();
@@ -365,8 +365,8 @@ async fn commits_wait_for_dead_letters_and_name_the_contiguous_prefix() {
         "nothing is committed while a dead letter of the batch is unacknowledged"
     );
     assert_eq!(
-        h.health.readiness(),
-        Err("the dead-letter topic refuses writes: being retried, the partition waits")
+        h.health.readiness().unwrap_err(),
+        "the dead-letter topic refuses writes: being retried, the partition waits"
     );
     h.until(ms(1000)).await;
     let dead: Vec<(Duration, i64)> = h.seen.lock().unwrap().dead_letters.clone();
@@ -531,4 +531,31 @@ async fn a_fatal_consumer_error_ends_the_loop_with_an_error_after_the_batch_in_h
         "the batch in hand is written and committed before the exit"
     );
     assert!(seen.left);
+}
+
+/// librdkafka skips a record it cannot read (a failed CRC, an unknown
+/// record format) and reports it without a partition: records read before
+/// the report commit, nothing read after it does, and readiness says so.
+#[tokio::test(start_paused = true)]
+async fn records_the_client_skipped_stop_every_commit_past_them() {
+    let h = Harness::start(Options::default(), &[0, 1]);
+    h.send(0, 0..3, true);
+    let skipped = KafkaError::MessageConsumption(RDKafkaErrorCode::BadMessage);
+    h.records.send(Err(skipped)).unwrap();
+    h.send(0, 4..6, true);
+    h.send(1, 0..2, true);
+    h.until(ms(500)).await;
+    let written: Vec<i64> = h.writes().into_iter().flat_map(|w| w.1).collect();
+    assert_eq!(written.len(), 7, "writing goes on: {written:?}");
+    let committed: Vec<_> = h.commits().into_iter().flat_map(|c| c.1).collect();
+    assert_eq!(
+        committed,
+        vec![(tp(0), 3)],
+        "only what came before the report"
+    );
+    assert_eq!(
+        h.health.readiness().unwrap_err(),
+        "the Kafka client skipped records it could not read: offsets are no longer committed"
+    );
+    h.stop().await;
 }

@@ -453,3 +453,64 @@ async fn produce_paces_its_sends_at_the_given_rate() {
     assert_eq!(env.end_offsets()[&0], count as i64);
     env.cleanup().await;
 }
+
+/// A partition whose records the consumer cannot fetch looked like an idle
+/// one. Here the unreadable records are a snappy batch: the local broker
+/// stores it and then fails every fetch from it (a quirk of Tansu 0.6.0,
+/// docs/testing.md), which the client sees as a dropped connection, as it
+/// would a broker that keeps failing. Whatever the cause, the partition
+/// holds records past its fetch position, its position does not move, and
+/// nothing of it waits for the worker: readiness names it.
+#[tokio::test]
+async fn a_partition_the_consumer_cannot_read_fails_readiness_with_its_name() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let env = TestEnv::new("stall", 2).await;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let vars = env.vars(&[
+        ("TRADEBUCKET__HTTP__LISTEN", &listen),
+        ("TRADEBUCKET__TIMEOUTS__PARTITION_STALL", "5s"),
+    ]);
+    let worker = WorkerProcess::start(bin(), &vars, Log::Quiet);
+    let readyz = format!("http://{listen}/readyz");
+    env.produce_json(&stream(63, 40, 4)).await;
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    assert_eq!(http_get(&readyz).await.map(|r| r.0), Some(200));
+
+    let snappy: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &env.kafka)
+        .set("compression.type", "snappy")
+        .create()
+        .expect("producer");
+    let payload = trade("unreadable").customer(1).payload();
+    snappy
+        .send(
+            FutureRecord::<[u8], [u8]>::to(&env.topic)
+                .partition(1)
+                .payload(payload.as_slice()),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produced");
+    let expected = format!("{}/1 (1 records waiting unread)", env.topic);
+    eventually("readiness names the partition", T_STALL, || async {
+        matches!(http_get(&readyz).await, Some((503, body)) if body.contains(&expected))
+    })
+    .await;
+    let (_, text) = http_get(&format!("http://{listen}/metrics")).await.unwrap();
+    assert!(
+        text.contains("\ntradebucket_stalled_partitions 1\n"),
+        "{text}"
+    );
+
+    // Not checked here: that the other partition goes on. The local broker
+    // fails the whole fetch request, which carries both partitions, so
+    // partition 1's records stop partition 0 too (a Kafka broker answers
+    // each partition of a fetch on its own).
+    worker.signal(15);
+    assert_eq!(worker.wait(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
+
+/// The partition window (5 s) plus two checks (10 s each) and slack.
+const T_STALL: Duration = Duration::from_secs(60);
