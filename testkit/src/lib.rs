@@ -11,6 +11,8 @@
 //! - [`worker`]: the worker in this process, stopped through its token;
 //! - [`process`]: the real `tradebucket` binary as a child process (kill
 //!   -9, SIGTERM, exit codes, log files) and `audit --json`;
+//! - [`raw`]: record batches written byte by byte (offset gaps,
+//!   transaction markers);
 //! - [`servers`]: private MongoDB-protocol, Kafka-protocol and Prometheus
 //!   servers, free ports, HTTP probes.
 //!
@@ -21,6 +23,7 @@ pub mod env;
 pub mod event;
 pub mod poll;
 pub mod process;
+pub mod raw;
 pub mod servers;
 pub mod settings;
 pub mod worker;

@@ -14,6 +14,8 @@ pub struct Worker {
     token: CancellationToken,
     handle: tokio::task::JoinHandle<()>,
     pub metrics: Metrics,
+    /// What `/readyz` and `/healthz` would answer.
+    pub health: Arc<Health>,
 }
 
 impl Worker {
@@ -27,10 +29,10 @@ impl Worker {
         }
         let token = CancellationToken::new();
         let metrics = Metrics::new();
-        let (t, m) = (token.clone(), metrics.clone());
+        let health = Arc::new(Health::default());
+        let (t, m, h) = (token.clone(), metrics.clone(), health.clone());
         let handle = tokio::spawn(async move {
-            let health = Arc::new(Health::default());
-            let pipeline = Pipeline::build(settings, m, health, &t)
+            let pipeline = Pipeline::build(settings, m, h, &t)
                 .await
                 .expect("worker starts");
             if let Some(p) = pipeline {
@@ -41,6 +43,7 @@ impl Worker {
             token,
             handle,
             metrics,
+            health,
         }
     }
 

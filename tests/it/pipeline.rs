@@ -372,6 +372,13 @@ async fn an_unwritable_dead_letter_topic_holds_the_partition_until_it_heals() {
         env.histories().await.get("1").map(Vec::len) == Some(2)
     })
     .await;
+    eventually("readiness says why", T, || async {
+        worker
+            .health
+            .readiness()
+            .is_err_and(|why| why.contains("dead-letter topic"))
+    })
+    .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         env.committed().get(&0).copied().unwrap_or(0),
@@ -380,6 +387,7 @@ async fn an_unwritable_dead_letter_topic_holds_the_partition_until_it_heals() {
     );
     create_topic(&env.kafka, &missing, 1).await;
     env.wait_committed_to_end(T).await;
+    assert_eq!(worker.health.readiness(), Ok(()));
     worker.stop().await;
     let _ = admin(&env.kafka)
         .delete_topics(&[&missing], &rdkafka::admin::AdminOptions::new())
@@ -803,5 +811,53 @@ async fn a_record_too_large_for_the_dead_letter_topic_is_recorded_shortened() {
     );
     assert!(header(&dl[0], "tradebucket.shortened").is_some());
     assert_eq!(dl[0].payload().map(<[u8]>::len), Some(1024));
+    env.cleanup().await;
+}
+
+/// Kafka's own gaps: log compaction removes records from inside batches,
+/// and transaction markers take offsets and are never delivered. The worker
+/// commits past both (they are neither events to store nor to
+/// dead-letter) and stores every trade around them once. The batches are
+/// written byte for byte (`testkit::raw`: a real producer cannot make
+/// them, and the local broker has no transactions).
+#[tokio::test]
+async fn compaction_gaps_and_transaction_markers_are_committed_past() {
+    use testkit::raw::{marker, produce_batch, RawRecord};
+    let env = TestEnv::new("gaps", 1).await;
+    let record = |delta: i32, id: &str| RawRecord {
+        delta,
+        key: None,
+        value: Some(trade(id).customer(1).payload()),
+    };
+    let (topic, kafka) = (env.topic.as_str(), env.kafka.as_str());
+    // A compacted batch: offsets +1 and +2 are gone.
+    let first = produce_batch(kafka, topic, 0, &[record(0, "a0"), record(3, "a1")], None);
+    let commit = produce_batch(kafka, topic, 0, &[marker(0, true)], Some(7));
+    let after = produce_batch(kafka, topic, 0, &[record(0, "b0")], None);
+    let trailing = produce_batch(kafka, topic, 0, &[marker(0, true)], Some(7));
+    assert_eq!(
+        (commit, after, trailing),
+        (first + 4, first + 5, first + 6),
+        "the layout this test reasons about"
+    );
+    let worker = Worker::spawn(env.settings(&[]));
+    // Past the compacted offsets and the marker between records: b0's
+    // commit. The trailing marker is never delivered, so the commit stops
+    // just before it (a restart re-reads one marker and nothing else).
+    eventually("committed past the last record", T, || async {
+        env.committed().get(&0).copied() == Some(after + 1)
+    })
+    .await;
+    let metrics = worker.stop().await;
+    assert_eq!(metrics.events_written.get(), 3);
+    assert_eq!(
+        metrics
+            .events_dead_lettered
+            .with_label_values(&["empty"])
+            .get(),
+        0
+    );
+    let report = audit_clean(&env, 10).await;
+    assert_eq!(report.trades, 3);
     env.cleanup().await;
 }
