@@ -28,6 +28,41 @@ use crate::event::{CustomerId, Trade};
 /// Duplicate key: another writer (or an earlier delivery) got there first.
 pub const DUPLICATE_KEY: i32 = 11000;
 
+/// The per-statement codes that refuse the statement's *data*, and would
+/// refuse it again on any server at any time: only these dead-letter the
+/// events of the statement. Every other code (a shard's election seen
+/// through mongos, a write conflict, an interrupted operation, an
+/// authorization change) says nothing about the events, and the batch is
+/// retried like a failed request. From MongoDB's `error_codes.yml`.
+const REFUSALS_OF_DATA: [i32; 19] = [
+    2,     // BadValue
+    9,     // FailedToParse
+    14,    // TypeMismatch
+    15,    // Overflow
+    16,    // InvalidLength
+    22,    // InvalidBSON
+    28,    // PathNotViable
+    30,    // InvalidPath
+    40,    // ConflictingUpdateOperators
+    52,    // DollarPrefixedFieldName
+    53,    // InvalidIdField
+    55,    // InvalidDBRef
+    56,    // EmptyFieldName
+    57,    // DottedFieldName
+    66,    // ImmutableField
+    121,   // DocumentValidationFailure
+    10334, // BSONObjectTooLarge
+    17419, // an update's result over 16 MiB (older servers)
+    CLIENT_REFUSED,
+];
+
+/// Not a server code: the driver refused the documents before sending them
+/// (one too large to encode, say): a refusal of their data too.
+pub const CLIENT_REFUSED: i32 = -2;
+
+/// Statements of a `has_keys` query per request.
+const HELD_QUERY_CHUNK: usize = 1000;
+
 /// Bytes of fill statements per `update` command (a byte budget, not a
 /// statement count). A command over MongoDB's 16 MiB limit is refused
 /// whole, so the fills are cut into several commands at half of it, which
@@ -42,6 +77,10 @@ pub enum StoreError {
     /// restarting. The outcome of the failed request is unknown.
     #[error("MongoDB unavailable: {0}")]
     Transient(#[source] mongodb::error::Error),
+    /// A statement failed with a code that does not refuse its data (see
+    /// [`StatementError::refuses_data`]): retried like a failed request.
+    #[error("MongoDB failed a statement (code {code}): {message}")]
+    Statement { code: i32, message: String },
     /// A response we cannot interpret, or an error that retrying will not
     /// change (bad credentials, missing privileges). Still retried by the
     /// pipeline, loudly, because dropping the batch would lose trades.
@@ -66,6 +105,11 @@ pub struct StatementError {
 impl StatementError {
     pub fn is_duplicate_key(&self) -> bool {
         self.code == DUPLICATE_KEY
+    }
+
+    /// Refuses the statement's data for good (see [`REFUSALS_OF_DATA`]).
+    pub fn refuses_data(&self) -> bool {
+        REFUSALS_OF_DATA.contains(&self.code)
     }
 }
 
@@ -292,6 +336,7 @@ impl BucketStore {
             .write_concern(self.write_concern.clone())
             .build();
         let raw = self.coll.clone_with_type::<RawDocumentBuf>();
+        let docs_len = docs.len();
         match raw.insert_many(docs).with_options(options).await {
             Ok(_) => Ok(InsertOutcome::default()),
             Err(e) => match *e.kind {
@@ -317,9 +362,50 @@ impl BucketStore {
                         message: w.message.clone(),
                     }],
                 }),
+                // Refused by the driver before anything was sent: every
+                // document is suspect, and the writer's isolation finds the
+                // one at fault.
+                ErrorKind::InvalidArgument { ref message, .. } => Ok(InsertOutcome {
+                    errors: (0..docs_len)
+                        .map(|index| StatementError {
+                            index,
+                            code: CLIENT_REFUSED,
+                            message: format!("the MongoDB driver refused the document: {message}"),
+                        })
+                        .collect(),
+                }),
                 _ => Err(StoreError::Transient(e)),
             },
         }
+    }
+
+    /// Which of `appends` (bucket `_id`, a trade key our fill appended to
+    /// it) hold that key: after a fill command matched fewer statements
+    /// than it sent, which of them went in. A key is unique across buckets
+    /// and a fill is atomic, so the key being there means the fill's trades
+    /// are there (ours, or an earlier delivery's).
+    pub async fn has_keys(
+        &self,
+        appends: &[(String, String)],
+    ) -> Result<HashSet<String>, StoreError> {
+        let mut held = HashSet::new();
+        for chunk in appends.chunks(HELD_QUERY_CHUNK) {
+            let any: Vec<Document> = chunk
+                .iter()
+                .map(|(id, key)| doc! {"_id": id.as_str(), "history.key": key.as_str()})
+                .collect();
+            let mut cursor = self
+                .coll
+                .find(doc! {"$or": any})
+                .projection(doc! {"_id": 1})
+                .await?;
+            while let Some(d) = cursor.try_next().await? {
+                if let Ok(id) = d.get_str("_id") {
+                    held.insert(id.to_string());
+                }
+            }
+        }
+        Ok(held)
     }
 
     /// Page `n` (1-based) of a customer's history: the manual's query,

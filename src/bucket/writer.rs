@@ -156,6 +156,14 @@ impl BucketWriter {
             self.insert_firsts(batch, &mut round).await?;
             self.insert_chains(batch, &mut round).await?;
             self.settle(batch, &round);
+            if let Some(e) = round.transient {
+                // Whatever went in stays recorded; the rest is retried with
+                // backoff, from reloaded heads.
+                return Err(StoreError::Statement {
+                    code: e.code,
+                    message: e.message,
+                });
+            }
             // The stall rule: rounds that settle no event in a row.
             stalled = if batch.settled() > settled_before {
                 0
@@ -287,11 +295,11 @@ impl BucketWriter {
                     source: &events[i].1,
                 })
                 .collect();
-            // After MongoDB refused one of this customer's writes, go one
-            // event per operation, so only the offending event is
-            // dead-lettered, not the good ones that shared its write.
-            if batch.isolate.contains(customer) {
-                evs.truncate(1);
+            // After MongoDB refused a write of several of this customer's
+            // events, write at most half as many at a time until the
+            // offender is alone (see `Batch::refused`).
+            if let Some(&limit) = batch.isolate.get(customer) {
+                evs.truncate(limit);
             }
             let learnt = batch.known.get(customer).unwrap_or(&nothing_known);
             let plan = plan_customer(customer, head.as_ref(), &evs, learnt, self.capacity);
@@ -346,16 +354,44 @@ impl BucketWriter {
         }
         let expected = (fillers.len() - failed.len()) as u64;
         if outcome.matched != expected {
-            // Some guard missed and the command does not say which: treat
-            // every customer of it as stale.
-            for &p in &fillers {
-                round.mark_stale(p);
+            self.find_missed(batch, round, &fillers).await?;
+        }
+        for &p in &fillers {
+            if round.held[p] {
+                record(batch.outcomes, &round.fill(p).events, Outcome::Written);
             }
-        } else {
-            for &p in &fillers {
-                if round.held[p] {
-                    record(batch.outcomes, &round.fill(p).events, Outcome::Written);
-                }
+        }
+        Ok(())
+    }
+
+    /// Some guard missed and the `update` reply gives only a total: ask
+    /// which buckets hold the last key each fill appended. Those fills
+    /// went in; the others are stale, and only their customers are
+    /// reloaded (the cache of the held ones is dropped too: another writer
+    /// may have appended more than our plan did).
+    async fn find_missed(
+        &mut self,
+        batch: &Batch<'_>,
+        round: &mut Round,
+        fillers: &[usize],
+    ) -> Result<(), StoreError> {
+        let asked: Vec<usize> = fillers.iter().copied().filter(|&p| round.held[p]).collect();
+        let appends: Vec<(String, String)> = asked
+            .iter()
+            .map(|&p| {
+                let fill = round.fill(p);
+                let last = *fill.events.last().expect("a fill appends something");
+                (fill.bucket_id.clone(), batch.events[last].0.key.clone())
+            })
+            .collect();
+        let timer = self.timer("find_keys");
+        let held = self.store.has_keys(&appends).await?;
+        timer.observe_duration();
+        for (&p, (bucket_id, _)) in asked.iter().zip(&appends) {
+            if held.contains(bucket_id) {
+                round.uncached.push(round.plans[p].0.clone());
+            } else {
+                round.mark_stale(p);
             }
         }
         Ok(())
@@ -445,14 +481,15 @@ impl BucketWriter {
         for (p, (customer, plan)) in round.plans.iter().enumerate() {
             if round.held[p] && !unsettled.contains(customer) {
                 self.cache.put(customer.clone(), plan.after.clone());
-                // An isolated customer wrote one event: more may wait.
+                // An isolated customer wrote part of its events: more may
+                // wait.
                 let done = all_final(batch.pending.get(customer), batch.outcomes);
-                if done || !batch.isolate.contains(customer) {
+                if done || !batch.isolate.contains_key(customer) {
                     batch.pending.remove(customer);
                 }
             }
         }
-        for customer in unsettled {
+        for customer in unsettled.into_iter().chain(&round.uncached) {
             self.cache.pop(customer);
         }
         batch.stats.conflicts += round.conflicted.len();
@@ -524,9 +561,10 @@ struct Batch<'a> {
     pending: BTreeMap<CustomerId, Vec<usize>>,
     /// Keys the database showed us beyond each customer's newest bucket.
     known: HashMap<CustomerId, Known>,
-    /// Customers MongoDB refused a write of several events for: from now on
-    /// planned one event per write, to find the culprit.
-    isolate: HashSet<CustomerId>,
+    /// Customers MongoDB refused a write of several events for, with how
+    /// many events each of their writes may hold until the culprit is
+    /// found.
+    isolate: HashMap<CustomerId, usize>,
     /// Events already looked up by `verify_below_watermark`.
     verified: HashSet<usize>,
     stats: WriteStats,
@@ -551,7 +589,7 @@ impl<'a> Batch<'a> {
             outcomes,
             pending,
             known: HashMap::new(),
-            isolate: HashSet::new(),
+            isolate: HashMap::new(),
             verified: HashSet::new(),
             stats,
         }
@@ -566,9 +604,12 @@ impl<'a> Batch<'a> {
         idx.iter().map(|&i| &self.events[i].0).collect()
     }
 
-    /// MongoDB refused a write permanently. A single event is the culprit
-    /// and is dead-lettered; with several, the customer switches to one
-    /// event per write to find which.
+    /// MongoDB refused a write for its data. A single event is the culprit
+    /// and is dead-lettered, and the customer's writes go back to full
+    /// size. With several, the customer's writes hold half as many events
+    /// from now on: the first half goes in (or is refused and halved
+    /// again), the next write is the second half, and so on, so one
+    /// offender among n events costs about 2·log2(n) extra writes, not n.
     fn refused(&mut self, customer: &CustomerId, idx: &[usize], message: &str) {
         if idx.len() == 1 {
             let reject = Reject::new(
@@ -576,8 +617,9 @@ impl<'a> Batch<'a> {
                 format!("MongoDB refused the bucket write: {message}"),
             );
             record(self.outcomes, idx, Outcome::DeadLetter(reject));
+            self.isolate.remove(customer);
         } else {
-            self.isolate.insert(customer.clone());
+            self.isolate.insert(customer.clone(), idx.len().div_ceil(2));
         }
     }
 }
@@ -601,6 +643,12 @@ struct Round {
     /// Our view of them is wrong or unknown (a guard missed, a refusal, a
     /// write not attempted): reloaded.
     stale: Vec<CustomerId>,
+    /// Settled, but their newest bucket may hold more than the plan says
+    /// (a fill found held after a shortfall): not cached.
+    uncached: Vec<CustomerId>,
+    /// A statement failed for a reason other than its data: the batch is
+    /// retried once the round is settled.
+    transient: Option<StatementError>,
 }
 
 impl Round {
@@ -610,6 +658,8 @@ impl Round {
             plans,
             conflicted: Vec::new(),
             stale: Vec::new(),
+            uncached: Vec::new(),
+            transient: None,
         }
     }
 
@@ -637,15 +687,19 @@ impl Round {
     }
 
     /// MongoDB refused `op` of plan `p`. A duplicate key means another
-    /// write got there first: a conflict, settled from the true state. Any
-    /// other refusal is permanent (see [`Batch::refused`]).
+    /// write got there first: a conflict, settled from the true state. A
+    /// refusal of the data is permanent (see [`Batch::refused`]); any other
+    /// code makes the batch retry.
     fn failed(&mut self, batch: &mut Batch<'_>, p: usize, op: Op, e: &StatementError) {
         self.held[p] = false;
         if e.is_duplicate_key() {
             self.conflicted.push(self.plans[p].0.clone());
-        } else {
+        } else if e.refuses_data() {
             batch.refused(&self.plans[p].0, self.events(p, op), &e.message);
             self.stale.push(self.plans[p].0.clone());
+        } else {
+            self.stale.push(self.plans[p].0.clone());
+            self.transient.get_or_insert_with(|| e.clone());
         }
     }
 

@@ -123,6 +123,20 @@ impl Pipeline {
     }
 }
 
+/// Awaits `work`, ticking liveness every idle tick meanwhile: a batch
+/// write can take long (a backfill's isolation, a slow primary) and is
+/// not a wedged loop. What bounds it is MongoDB's own time limits.
+async fn ticking<F: std::future::Future>(health: &Health, work: F) -> F::Output {
+    tokio::pin!(work);
+    let mut every = tokio::time::interval(IDLE_TICK);
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            _ = every.tick() => health.tick(),
+        }
+    }
+}
+
 /// Creates the indexes, retrying until it works; `false` if `shutdown`
 /// came first.
 async fn create_indexes(
@@ -384,8 +398,10 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     async fn write_until_done(&mut self, events: &[(Trade, Source)]) -> (Vec<Outcome>, WriteStats) {
         let mut outcomes = vec![Outcome::Pending; events.len()];
         let mut backoff = Backoff::new(&self.settings.retry);
+        let health = self.health.clone();
         loop {
-            match self.buckets.write(events, &mut outcomes).await {
+            let write = self.buckets.write(events, &mut outcomes);
+            match ticking(&health, write).await {
                 Ok(stats) => {
                     self.health.mongodb_ok.store(true, Ordering::Relaxed);
                     return (outcomes, stats);

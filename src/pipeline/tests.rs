@@ -559,3 +559,25 @@ async fn records_the_client_skipped_stop_every_commit_past_them() {
     );
     h.stop().await;
 }
+
+/// A long batch write is not a wedged loop: liveness ticks while it runs.
+#[tokio::test(start_paused = true)]
+async fn liveness_ticks_while_a_batch_is_written() {
+    let h = Harness::start(
+        Options {
+            write_delay: Duration::from_secs(600),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true);
+    h.until(ms(500)).await;
+    assert_eq!(h.writes().len(), 1, "the write is under way");
+    // The paused clock does not move the wall clock the tick records, so
+    // mark the tick and look for a fresh one.
+    h.health.last_tick_ms.store(1, Ordering::Relaxed);
+    h.until(Duration::from_secs(5)).await;
+    assert!(h.commits().is_empty(), "still writing");
+    assert_ne!(h.health.last_tick_ms.load(Ordering::Relaxed), 1);
+    h.stop().await;
+}

@@ -461,7 +461,15 @@ impl TestEnv {
     /// process with the given bucket capacity.
     pub async fn audit(&self, capacity: u32) -> AuditReport {
         let (name, value) = settings::capacity(capacity);
-        tradebucket::cli::audit(&self.settings(&[(name, &value)]), None)
+        // The audit reads no Kafka record; a message size that the
+        // capacity allows keeps large capacities valid settings.
+        let message_bytes = (8 << 20) / capacity.max(1);
+        let message_bytes = message_bytes.to_string();
+        let vars = [
+            (name, value.as_str()),
+            ("TRADEBUCKET__KAFKA__MAX_MESSAGE_BYTES", &message_bytes),
+        ];
+        tradebucket::cli::audit(&self.settings(&vars), None)
             .await
             .expect("audit")
     }

@@ -2,7 +2,7 @@
 //! batch costs when some of its new buckets are refused.
 
 use testkit::*;
-use tradebucket::bucket::writer::{BucketWriter, Outcome};
+use tradebucket::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use tradebucket::event::{decode, Source, Trade};
 use tradebucket::metrics::Metrics;
 
@@ -145,4 +145,115 @@ async fn offsets_going_backwards_never_skip_an_unstored_trade() {
     let report = audit_clean(&env, CAPACITY).await;
     assert_eq!(report.trades, 70);
     env.cleanup().await;
+}
+
+/// One event MongoDB refuses among 20,000 of one customer: the refused
+/// write is halved until the offender is alone, then the customer's writes
+/// go back to full size. Going one event per write after the refusal cost
+/// a write per remaining event (thousands here).
+#[tokio::test]
+async fn a_refused_event_among_twenty_thousand_costs_a_logarithmic_number_of_writes() {
+    use mongodb::bson::doc;
+    let env = TestEnv::new("writer-halving", 1).await;
+    let store = env.store().await;
+    // A collection validator stands in for any refusal of a document's
+    // data: a bucket holding a trade with ticker BAD is refused.
+    store
+        .client()
+        .database(&env.db)
+        .run_command(doc! {"create": "trades", "validator": {"history.ticker": {"$ne": "BAD"}}})
+        .await
+        .expect("create with validator");
+    store.init().await.expect("indexes");
+    let metrics = Metrics::new();
+    let mut writer = BucketWriter::new(store, 1000, 10_000, metrics.clone());
+    let (n, bad) = (20_000, 12_345);
+    let events: Vec<(Trade, Source)> = (0..n)
+        .map(|o| {
+            let mut e = event(&format!("h{o}"), 1, o, &env.topic);
+            if o == bad {
+                e = bad_event(&format!("h{o}"), o, &env.topic);
+            }
+            e
+        })
+        .collect();
+    let mut outcomes = vec![Outcome::Pending; events.len()];
+    writer.write(&events, &mut outcomes).await.expect("batch");
+    let refused: Vec<usize> = outcomes
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| matches!(o, Outcome::DeadLetter(_)))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(refused, vec![bad as usize]);
+    assert_eq!(
+        outcomes.iter().filter(|o| **o == Outcome::Written).count(),
+        n as usize - 1
+    );
+    let writes: u64 = ["fill", "insert"]
+        .iter()
+        .map(|op| {
+            metrics
+                .mongodb_write_duration
+                .with_label_values(&[op])
+                .get_sample_count()
+        })
+        .sum();
+    // Without the refusal: one insert of the first bucket, one of the
+    // chain. Each halving step costs a write, and each held half one more.
+    let bound = 2 + 2 * (n as f64).log2().ceil() as u64 + 2;
+    eprintln!("{writes} MongoDB writes for {n} events with one refused (bound {bound})");
+    assert!(writes <= bound, "{writes} writes");
+    let report = audit_clean(&env, 1000).await;
+    assert_eq!(report.trades, n as u64 - 1);
+    env.cleanup().await;
+}
+
+fn bad_event(id: &str, offset: i64, topic: &str) -> (Trade, Source) {
+    let source = Source {
+        topic: topic.to_string(),
+        partition: 0,
+        offset,
+    };
+    let payload = trade(id)
+        .customer(1)
+        .ticker("BAD")
+        .date(1_700_000_000_000i64 + offset * 1000)
+        .payload();
+    (decode(Some(&payload), &source, 1 << 20).unwrap(), source)
+}
+
+/// A fill command's reply gives only the number of guards that matched.
+/// When one customer's guard misses (another writer appended), only that
+/// customer is reloaded, not every customer of the command.
+#[tokio::test]
+async fn a_missed_guard_reloads_only_its_customer() {
+    let env = TestEnv::new("writer-shortfall", 1).await;
+    let store = env.store().await;
+    store.init().await.expect("indexes");
+    let topic = env.topic.clone();
+    let mut ours = BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());
+    let customers = 50;
+    let round = |r: i64| -> Vec<(Trade, Source)> {
+        (0..customers)
+            .map(|c| event(&format!("r{r}-{c}"), c, r * customers + c, &topic))
+            .collect()
+    };
+    write_all(&mut ours, round(0)).await;
+    // Another writer appends to customer 7 behind our cache's back.
+    let mut other = BucketWriter::new(store, CAPACITY, 10_000, Metrics::new());
+    write_all(&mut other, vec![event("theirs", 7, 10_000, &topic)]).await;
+    let stats = write_all(&mut ours, round(1)).await;
+    assert_eq!((stats.rounds, stats.heads_loaded), (2, 1), "{stats:?}");
+    let report = audit_clean(&env, CAPACITY).await;
+    assert_eq!(report.trades, 2 * customers as u64 + 1);
+    env.cleanup().await;
+}
+
+/// Writes `batch`, which must be written whole.
+async fn write_all(w: &mut BucketWriter, batch: Vec<(Trade, Source)>) -> WriteStats {
+    let mut outcomes = vec![Outcome::Pending; batch.len()];
+    let stats = w.write(&batch, &mut outcomes).await.expect("write");
+    assert!(outcomes.iter().all(|o| *o == Outcome::Written));
+    stats
 }
