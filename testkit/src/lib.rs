@@ -11,6 +11,8 @@
 //! - [`worker`]: the worker in this process, stopped through its token;
 //! - [`process`]: the real `tradebucket` binary as a child process (kill
 //!   -9, SIGTERM, exit codes, log files) and `audit --json`;
+//! - [`proxy`]: a MongoDB wire proxy that rewrites replies (statement
+//!   errors the local server never sends);
 //! - [`raw`]: record batches written byte by byte (offset gaps,
 //!   transaction markers);
 //! - [`servers`]: private MongoDB-protocol, Kafka-protocol and Prometheus
@@ -23,6 +25,7 @@ pub mod env;
 pub mod event;
 pub mod poll;
 pub mod process;
+pub mod proxy;
 pub mod raw;
 pub mod servers;
 pub mod settings;
@@ -35,5 +38,6 @@ pub use env::{
 pub use event::{trade, TradeEvent};
 pub use poll::{eventually, poll_until};
 pub use process::{audit_json, Fleet, Log, WorkerProcess};
+pub use proxy::MongoProxy;
 pub use servers::{free_port, http_get, PrivateKafka, PrivateMongo, Prometheus};
 pub use worker::Worker;

@@ -861,3 +861,63 @@ async fn compaction_gaps_and_transaction_markers_are_committed_past() {
     assert_eq!(report.trades, 3);
     env.cleanup().await;
 }
+
+/// Through mongos, a shard's election comes back per statement (here
+/// PrimarySteppedDown, 189, on a statement the server in fact applied).
+/// That says nothing about the trades: the batch is retried, nothing is
+/// dead-lettered, and every trade is stored once.
+#[tokio::test]
+async fn a_statement_failed_with_a_transient_code_is_retried_not_dead_lettered() {
+    let base = TestEnv::new("stmt-transient", 1).await;
+    let upstream = base
+        .mongo_uri
+        .trim_start_matches("mongodb://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let proxy = MongoProxy::start(&upstream).await;
+    let env = TestEnv {
+        mongo_uri: format!("mongodb://127.0.0.1:{}/?directConnection=true", proxy.port),
+        ..base
+    };
+    // One trade per customer and batch: each fill statement holds one
+    // event, which the old rule (any code but 11000 refuses the data)
+    // dead-lettered at once, although the server had stored it.
+    let one_each = |round: i64| -> Vec<serde_json::Value> {
+        (0..5)
+            .map(|c| {
+                trade(format!("r{round}-c{c}"))
+                    .customer(c)
+                    .date(1_700_000_000_000 + round * 1000)
+                    .json()
+            })
+            .collect()
+    };
+    let first = one_each(0);
+    env.produce_json(&first).await;
+    let worker = Worker::spawn(env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "100")]));
+    env.wait_committed_to_end(T).await;
+    // The next batch fills the five customers' open buckets.
+    proxy.fail_first_statement(189, 1);
+    let second = one_each(1);
+    env.produce_json(&second).await;
+    env.wait_committed_to_end(T).await;
+    let metrics = worker.stop().await;
+    assert_eq!(proxy.injected(), 1, "the fault was injected");
+    assert!(metrics.retries.with_label_values(&["mongodb"]).get() >= 1);
+    let dead: u64 = tradebucket::event::RejectKind::ALL
+        .iter()
+        .map(|k| {
+            metrics
+                .events_dead_lettered
+                .with_label_values(&[k.as_str()])
+                .get()
+        })
+        .sum();
+    assert_eq!(dead, 0, "nothing dead-lettered");
+    let all: Vec<_> = first.iter().chain(&second).cloned().collect();
+    assert_eq!(env.histories().await, expected_histories(&all));
+    audit_clean(&env, 100).await;
+    env.cleanup().await;
+}
