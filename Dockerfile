@@ -4,7 +4,8 @@
 #   docker run --rm tradebucket check-config
 #
 # Two stages: the Rust toolchain and C build tools stay in the builder; the
-# runtime image holds the binary and the two shared libraries it links.
+# runtime image holds the binary, the shared libraries it links and what
+# Kerberos needs at run time.
 # Only classic Dockerfile syntax is used (no RUN --mount), so the legacy
 # builder that docker-compose 1.x drives builds it as well as BuildKit does.
 
@@ -14,8 +15,11 @@
 FROM rust:1.95-bookworm AS builder
 
 # rdkafka builds librdkafka from its bundled source with ./configure and
-# make (C and C++), against the system OpenSSL (feature "ssl") and zlib.
-# The rust image already carries most of these; naming them keeps the build
+# make (C and C++), against the system OpenSSL (feature "ssl"), zlib, Cyrus
+# SASL (feature "gssapi": Kerberos) and libcurl (feature "curl": OAUTHBEARER
+# with OIDC). Without libcurl4-openssl-dev, curl-sys would quietly compile
+# its own libcurl instead, one Debian's security updates never reach. The
+# rust image already carries most of these; naming them keeps the build
 # working if that ever changes. Versions are not pinned (hadolint DL3008):
 # Debian stable carries only the current, security-patched version, so a
 # pin would break the build at its next update.
@@ -23,6 +27,7 @@ FROM rust:1.95-bookworm AS builder
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         build-essential perl pkg-config libssl-dev zlib1g-dev \
+        libsasl2-dev libcurl4-openssl-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /build
@@ -60,11 +65,19 @@ RUN rm -rf target/release/.fingerprint/tradebucket-* \
 
 FROM debian:bookworm-slim
 
-# libssl3: librdkafka's TLS (linked dynamically). ca-certificates: to verify
-# brokers' and MongoDB's certificates. zlib and libgcc are in the base image.
+# The shared libraries the binary links (its NEEDED entries): libssl3
+# (librdkafka's TLS), libcurl4 (OIDC token requests), libsasl2-2 (Cyrus
+# SASL); zlib and libgcc are in the base image. ca-certificates: to verify
+# brokers', MongoDB's and the OIDC token endpoint's certificates.
+# Kerberos (sasl.mechanism=GSSAPI) also needs, at run time only: the Cyrus
+# SASL GSSAPI plugin, which libsasl2 loads from a directory rather than
+# links (libsasl2-modules-gssapi-mit), and kinit (krb5-user), which
+# librdkafka runs to log in with the keytab (sasl.kerberos.kinit.cmd).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libssl3 ca-certificates \
+    && apt-get install -y --no-install-recommends \
+        libssl3 libcurl4 libsasl2-2 ca-certificates \
+        libsasl2-modules-gssapi-mit krb5-user \
     && rm -rf /var/lib/apt/lists/*
 
 # A fixed numeric uid/gid: Kubernetes' runAsNonRoot can only verify a

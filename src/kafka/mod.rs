@@ -427,8 +427,12 @@ impl SetupError {
 }
 
 /// Has librdkafka check every property of both clients, names and values,
-/// without joining the group or sending anything: a misspelt or unsupported
-/// `kafka.options` entry fails `check-config`, not the first deployment.
+/// without joining the group or sending anything to a broker: a misspelt or
+/// unsupported `kafka.options` entry fails `check-config`, not the first
+/// deployment. Creating a client does start librdkafka's own login work,
+/// though: with OIDC it requests a token from the token endpoint, with
+/// GSSAPI it runs `sasl.kerberos.kinit.cmd`. Their failures are not errors
+/// here (librdkafka only logs them); the brokers refuse the worker later.
 pub fn check_options(settings: &Settings) -> Result<(), SetupError> {
     let scrubbed = |e| SetupError::new(settings, e);
     consumer_config(settings)
@@ -474,6 +478,113 @@ mod tests {
         );
     }
 
+    /// Kerberos needs librdkafka built with Cyrus SASL (feature `gssapi`);
+    /// without it, librdkafka refuses the mechanism.
+    #[test]
+    fn kerberos_gssapi_passes_through_to_librdkafka() {
+        let s = settings_with(&[
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", "GSSAPI"),
+            ("sasl.kerberos.service.name", "kafka"),
+            ("sasl.kerberos.principal", "tradebucket@EXAMPLE.COM"),
+            // Does not exist, so the kinit librdkafka starts fails at once.
+            ("sasl.kerberos.keytab", "/nonexistent/tradebucket.keytab"),
+        ]);
+        check_options(&s).expect("librdkafka is built with Cyrus SASL (GSSAPI)");
+    }
+
+    /// A stand-in OIDC token endpoint on loopback. Each request, head and
+    /// body as text, goes to the receiver. The answer is a 401, which
+    /// librdkafka does not retry (it waits 5 s before retrying a 5xx), so a
+    /// client's drop does not wait for another attempt.
+    fn token_endpoint() -> (String, Receiver<String>) {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/oauth2/token", listener.local_addr().unwrap());
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut reader = BufReader::new(&conn);
+                let (mut request, mut body_len) = (String::new(), 0);
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        break;
+                    }
+                    if let Some((name, value)) = line.split_once(':') {
+                        if name.eq_ignore_ascii_case("content-length") {
+                            body_len = value.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    request.push_str(&line);
+                    if line == "\r\n" {
+                        break;
+                    }
+                }
+                let mut body = vec![0; body_len];
+                let _ = reader.read_exact(&mut body);
+                request.push_str(&String::from_utf8_lossy(&body));
+                let _ = conn.write_all(
+                    b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                );
+                if tx.send(request).is_err() {
+                    break;
+                }
+            }
+        });
+        (url, rx)
+    }
+
+    fn oidc_settings(token_endpoint: &str) -> Settings {
+        settings_with(&[
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", "OAUTHBEARER"),
+            ("sasl.oauthbearer.method", "oidc"),
+            ("sasl.oauthbearer.client.id", "tradebucket"),
+            ("sasl.oauthbearer.client.secret", "Se5cret-value"),
+            ("sasl.oauthbearer.token.endpoint.url", token_endpoint),
+        ])
+    }
+
+    /// OAUTHBEARER with OIDC needs librdkafka built with libcurl (feature
+    /// `curl`); without it, librdkafka refuses the `sasl.oauthbearer.*`
+    /// properties of OIDC.
+    #[test]
+    fn oauthbearer_oidc_passes_through_to_librdkafka() {
+        let (url, _requests) = token_endpoint();
+        check_options(&oidc_settings(&url)).expect("librdkafka is built with libcurl (OIDC)");
+    }
+
+    /// Accepting the properties is not all: librdkafka itself asks the
+    /// token endpoint for a token (client-credentials grant, client id and
+    /// secret as HTTP basic authentication) as soon as a client exists.
+    #[test]
+    fn oidc_clients_request_a_token_from_the_endpoint() {
+        let (url, requests) = token_endpoint();
+        let consumer = consumer_config(&oidc_settings(&url))
+            .create::<BaseConsumer>()
+            .expect("librdkafka is built with libcurl (OIDC)");
+        let request = requests
+            .recv_timeout(Duration::from_secs(30))
+            .expect("no token request within 30 s");
+        drop(consumer);
+        assert!(
+            request.starts_with("POST /oauth2/token HTTP/1.1\r\n"),
+            "{request}"
+        );
+        // base64("tradebucket:Se5cret-value")
+        assert!(
+            request.contains("\r\nAuthorization: Basic dHJhZGVidWNrZXQ6U2U1Y3JldC12YWx1ZQ==\r\n"),
+            "{request}"
+        );
+        assert!(
+            request.ends_with("\r\n\r\ngrant_type=client_credentials"),
+            "{request}"
+        );
+    }
+
     #[test]
     fn a_misspelt_option_is_reported_by_name() {
         let s = settings_with(&[("sasl.pasword", "x")]);
@@ -496,16 +607,25 @@ mod tests {
         assert_eq!(producer_config(&s).get("enable.idempotence"), Some("true"));
     }
 
-    /// librdkafka quotes the value of a property it cannot take (here: the
-    /// OAuth/OIDC ones, which need libcurl, not built in), so a refused
+    /// A property librdkafka refuses comes back with its value quoted
+    /// (rdkafka's "Client config error: <why> <name> <value>"), so a refused
     /// secret would reach `check-config`'s output and the start-up error.
+    /// Every secret option is tried under each protocol (a build without
+    /// libcurl refused the OIDC ones), and each misspelt as an operator
+    /// might (`sasl.passwor`): librdkafka refuses an unknown name, always
+    /// with the value, and the allowlist must treat it as secret.
     #[test]
     fn librdkafka_refusals_never_carry_a_secret() {
+        let value = "Se5cret-value";
         let secret_options = crate::config::SECRET_KAFKA_OPTIONS;
+        let misspelt = secret_options.map(|o| o[..o.len() - 1].to_string());
         let mut echoed = 0;
         for protocol in ["PLAINTEXT", "SSL", "SASL_SSL"] {
-            for option in secret_options {
-                let value = "Se5cret-value";
+            for option in secret_options
+                .iter()
+                .copied()
+                .chain(misspelt.iter().map(String::as_str))
+            {
                 let s = settings_with(&[("security.protocol", protocol), (option, value)]);
                 let raw = consumer_config(&s).create::<BaseConsumer>().err();
                 echoed += usize::from(raw.is_some_and(|e| e.to_string().contains(value)));
