@@ -115,7 +115,9 @@ async fn main() -> ExitCode {
         }
     };
     if let Command::CheckConfig = args.command {
-        // librdkafka judges the pass-through options; nothing connects.
+        // librdkafka judges the pass-through options. No broker is contacted;
+        // with OAUTHBEARER/OIDC it asks the token endpoint, and with GSSAPI
+        // it runs kinit, as those clients do at creation.
         if let Err(e) = tradebucket::kafka::check_options(&settings) {
             eprintln!("tradebucket: invalid setting kafka.options: {e}");
             return ExitCode::from(EXIT_CONFIG);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedHeaders;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use rdkafka::types::RDKafkaErrorCode;
 use sha2::{Digest, Sha256};
 
@@ -90,7 +90,7 @@ impl DeadLetter {
 /// Sends one dead letter and waits for the broker's acknowledgement;
 /// `queue_timeout` bounds the wait for room in librdkafka's local queue.
 pub async fn send_dead_letter(
-    producer: &FutureProducer,
+    producer: &super::Producer,
     dlq_topic: &str,
     dl: &DeadLetter,
     queue_timeout: Duration,

@@ -20,7 +20,7 @@ use rdkafka::consumer::{
 };
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::ToBytes;
-use rdkafka::producer::{BaseProducer, DeliveryFuture, FutureProducer, FutureRecord};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::TopicPartitionList;
@@ -100,6 +100,62 @@ pub enum GroupEvent {
     Revoked(Vec<TopicPartition>),
 }
 
+/// librdkafka's own log lines and client errors, through `tracing`, with
+/// every secret of the settings removed: librdkafka quotes configuration
+/// values in some of them (a failed `sasl.kerberos.kinit.cmd` is logged
+/// whole, and that command line may carry a password).
+#[derive(Clone, Default)]
+pub struct ScrubbedLogs {
+    scrubber: crate::config::Scrubber,
+}
+
+impl ScrubbedLogs {
+    pub fn new(settings: &Settings) -> Self {
+        ScrubbedLogs {
+            scrubber: settings.scrubber(),
+        }
+    }
+
+    fn log_line(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        let message = self.scrubber.scrub(message);
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => {
+                tracing::error!(target: "librdkafka", facility, "{message}")
+            }
+            RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", facility, "{message}"),
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(target: "librdkafka", facility, "{message}")
+            }
+            RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", facility, "{message}"),
+        }
+    }
+
+    fn client_error(&self, error: &KafkaError, reason: &str) {
+        let text = self.scrubber.scrub(&format!("{error}: {reason}"));
+        tracing::error!(target: "librdkafka", "{text}");
+    }
+}
+
+impl ClientContext for ScrubbedLogs {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.log_line(level, fac, log_message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.client_error(&error, reason);
+    }
+}
+
+/// Also the context of the clients that join no group (check-config, the
+/// stall watcher's end offsets): no rebalance ever calls it.
+impl ConsumerContext for ScrubbedLogs {}
+
+/// The dead-letter producer.
+pub type Producer = FutureProducer<ScrubbedLogs>;
+
 pub struct ConsumerCtx {
     /// Where the rebalance callbacks report to the loop.
     events: Sender<GroupEvent>,
@@ -109,9 +165,18 @@ pub struct ConsumerCtx {
     /// Fetch progress of the owned partitions, for the stall watcher.
     stalls: Arc<Mutex<StallWatch>>,
     metrics: Metrics,
+    logs: ScrubbedLogs,
 }
 
 impl ClientContext for ConsumerCtx {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.logs.log_line(level, fac, log_message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.logs.client_error(&error, reason);
+    }
+
     fn stats(&self, stats: Statistics) {
         // Only partitions this member owns: a partition handed to another
         // member is reported there, and a stale series here would make a
@@ -334,6 +399,7 @@ pub fn consumer(settings: &Settings, metrics: Metrics) -> Result<GroupConsumer, 
         owned: Mutex::new(BTreeSet::new()),
         stalls: stalls.clone(),
         metrics,
+        logs: ScrubbedLogs::new(settings),
     };
     let consumer: StreamConsumer<ConsumerCtx> = consumer_config(settings)
         .create_with_context(context)
@@ -352,9 +418,9 @@ pub fn consumer(settings: &Settings, metrics: Metrics) -> Result<GroupConsumer, 
 /// A client of its own for asking Kafka where partitions end: it joins no
 /// group and fetches nothing. The stall watcher's queries block, so they
 /// run on a blocking thread, away from the loop's consumer.
-pub fn end_offsets_client(settings: &Settings) -> Result<BaseConsumer, SetupError> {
+pub fn end_offsets_client(settings: &Settings) -> Result<BaseConsumer<ScrubbedLogs>, SetupError> {
     client_config(settings, &[], &[])
-        .create()
+        .create_with_context(ScrubbedLogs::new(settings))
         .map_err(|e| SetupError::new(settings, e))
 }
 
@@ -362,7 +428,7 @@ pub fn end_offsets_client(settings: &Settings) -> Result<BaseConsumer, SetupErro
 /// offset by default) of each of `tps`, in one ListOffsets request per
 /// broker. Partitions Kafka answered with an error are left out.
 pub fn end_offsets(
-    client: &BaseConsumer,
+    client: &BaseConsumer<ScrubbedLogs>,
     tps: &[TopicPartition],
     timeout: Duration,
 ) -> KafkaResult<BTreeMap<TopicPartition, i64>> {
@@ -383,9 +449,9 @@ pub fn end_offsets(
         .collect())
 }
 
-pub fn producer(settings: &Settings) -> Result<FutureProducer, SetupError> {
+pub fn producer(settings: &Settings) -> Result<Producer, SetupError> {
     producer_config(settings)
-        .create()
+        .create_with_context(ScrubbedLogs::new(settings))
         .map_err(|e| SetupError::new(settings, e))
 }
 
@@ -393,13 +459,14 @@ pub fn producer(settings: &Settings) -> Result<FutureProducer, SetupError> {
 /// (the producer's own thread empties it as the broker acknowledges). The
 /// async `FutureProducer::send` would only enqueue when first polled, so a
 /// caller that gathers its futures would send nothing until it awaits them.
-pub async fn enqueue<K, P>(
-    producer: &FutureProducer,
+pub async fn enqueue<K, P, C>(
+    producer: &FutureProducer<C>,
     mut record: FutureRecord<'_, K, P>,
 ) -> KafkaResult<DeliveryFuture>
 where
     K: ToBytes + ?Sized,
     P: ToBytes + ?Sized,
+    C: ClientContext + 'static,
 {
     loop {
         match producer.send_result(record) {
@@ -435,11 +502,13 @@ impl SetupError {
 /// here (librdkafka only logs them); the brokers refuse the worker later.
 pub fn check_options(settings: &Settings) -> Result<(), SetupError> {
     let scrubbed = |e| SetupError::new(settings, e);
+    let logs = ScrubbedLogs::new(settings);
     consumer_config(settings)
-        .create::<BaseConsumer>()
+        .create_with_context::<_, BaseConsumer<ScrubbedLogs>>(logs.clone())
         .map_err(scrubbed)?;
-    producer_config(settings)
-        .create::<BaseProducer>()
+    // Created to be judged, then dropped.
+    let _judged = producer_config(settings)
+        .create_with_context::<_, Producer>(logs)
         .map_err(scrubbed)?;
     Ok(())
 }
@@ -461,6 +530,47 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string().into()))
             .collect();
         s
+    }
+
+    /// librdkafka logs a failed `sasl.kerberos.kinit.cmd` whole, and a
+    /// command line can carry a password: its log lines reach `tracing`
+    /// only scrubbed.
+    #[test]
+    fn librdkafka_log_lines_never_carry_a_secret() {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::DEBUG)
+            .finish();
+        let s = settings_with(&[("sasl.kerberos.kinit.cmd", "kinit --password=Se5cret-value")]);
+        let logs = ScrubbedLogs::new(&s);
+        tracing::subscriber::with_default(subscriber, || {
+            logs.log(
+                RDKafkaLogLevel::Warning,
+                "SASLREFRESH",
+                "Kerberos ticket refresh failed: kinit --password=Se5cret-value: exit 1",
+            );
+            logs.error(
+                KafkaError::ClientCreation("kinit --password=Se5cret-value".into()),
+                "refresh",
+            );
+        });
+        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("Kerberos ticket refresh failed"), "{text}");
+        assert!(!text.contains("Se5cret-value"), "{text}");
     }
 
     #[test]

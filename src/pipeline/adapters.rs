@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
-use rdkafka::producer::FutureProducer;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
@@ -107,12 +106,12 @@ pub(crate) struct KafkaDeadLetters {
     /// Replaced after a fatal error (see `send`), with a generation so that
     /// many sends failing together replace it once. Cloning a
     /// `FutureProducer` is cheap: each send holds the lock only to clone.
-    producer: RwLock<(u64, FutureProducer)>,
+    producer: RwLock<(u64, kafka::Producer)>,
     settings: Settings,
 }
 
 impl KafkaDeadLetters {
-    pub fn new(producer: FutureProducer, settings: Settings) -> Self {
+    pub fn new(producer: kafka::Producer, settings: Settings) -> Self {
         KafkaDeadLetters {
             producer: RwLock::new((0, producer)),
             settings,
@@ -214,7 +213,7 @@ const END_OFFSETS_TIMEOUT: Duration = Duration::from_secs(10);
 /// where the suspects of `stalls` end (see [`crate::kafka::stall`]).
 pub(crate) async fn watch_partitions(
     stalls: Arc<Mutex<StallWatch>>,
-    client: rdkafka::consumer::BaseConsumer,
+    client: rdkafka::consumer::BaseConsumer<kafka::ScrubbedLogs>,
     health: Arc<Health>,
     metrics: Metrics,
     shutdown: CancellationToken,
@@ -247,7 +246,7 @@ pub(crate) async fn watch_partitions(
 
 /// The suspects with records waiting, or `None` if Kafka could not say.
 async fn judge(
-    client: &Arc<rdkafka::consumer::BaseConsumer>,
+    client: &Arc<rdkafka::consumer::BaseConsumer<kafka::ScrubbedLogs>>,
     suspects: Vec<(TopicPartition, i64)>,
 ) -> Option<Vec<stall::Stalled>> {
     if suspects.is_empty() {
