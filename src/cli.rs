@@ -20,7 +20,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use secrecy::ExposeSecret;
 
 use crate::bucket::id::Prefix;
-use crate::bucket::store::{BucketStore, StoreError};
+use crate::bucket::store::{BucketStore, InitError, ShardState, StoreError};
 use crate::config::Settings;
 use crate::event::CustomerId;
 
@@ -32,6 +32,19 @@ pub enum CliError {
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error("{0}")]
     Usage(String),
+    /// The collection is laid out for the other mode, or sharded on
+    /// another key: the message says what to do.
+    #[error("{0}")]
+    Layout(String),
+}
+
+impl From<InitError> for CliError {
+    fn from(e: InitError) -> Self {
+        match e {
+            InitError::Store(e) => CliError::Store(e),
+            InitError::Layout(m) => CliError::Layout(m),
+        }
+    }
 }
 
 impl From<mongodb::error::Error> for CliError {
@@ -49,11 +62,22 @@ fn admin_config(settings: &Settings) -> ClientConfig {
     c
 }
 
-/// Creates the indexes; with `partitions`, also the source and dead-letter
-/// topics that do not exist yet.
-pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<Vec<String>, CliError> {
+/// What `init` did.
+#[derive(Debug)]
+pub struct InitOutcome {
+    /// Topics created.
+    pub topics: Vec<String>,
+    /// The collection's layout, in words.
+    pub layout: String,
+}
+
+/// Creates the indexes, and in sharded mode through mongos shards the
+/// collection; with `partitions`, also the source and dead-letter topics
+/// that do not exist yet.
+pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<InitOutcome, CliError> {
     let store = BucketStore::connect(settings).await?;
-    store.init().await?;
+    let state = store.init_and_shard().await?;
+    let layout = describe_layout(store.sharded(), &state);
     let mut created = Vec::new();
     if let Some(partitions) = partitions {
         let admin: AdminClient<DefaultClientContext> = admin_config(settings).create()?;
@@ -78,7 +102,30 @@ pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<Vec<St
             }
         }
     }
-    Ok(created)
+    Ok(InitOutcome {
+        topics: created,
+        layout,
+    })
+}
+
+/// One line on the collection's layout for `init` to print.
+fn describe_layout(sharded: bool, state: &ShardState) -> String {
+    match (sharded, state) {
+        (false, _) => "unsharded layout: trade ids unique across customers".into(),
+        (true, ShardState::Sharded) => {
+            "sharded layout: sharded on {customerId: 1}, trade ids unique per customer".into()
+        }
+        (true, ShardState::NoMongos) => "sharded layout: customer-scoped indexes ready; \
+             not connected to mongos, so the collection was not sharded"
+            .into(),
+        (true, ShardState::NotSharded) => {
+            "sharded layout: customer-scoped indexes ready; the collection is not sharded".into()
+        }
+        (true, ShardState::Unknown(why)) => format!(
+            "sharded layout: customer-scoped indexes ready; whether the collection is sharded \
+             is unknown ({why})"
+        ),
+    }
 }
 
 /// Page `n` of a customer's history, as relaxed extended JSON.
@@ -108,8 +155,11 @@ pub struct AuditReport {
 
 /// Checks the bucket invariants over the collection (or one customer):
 /// `_id` form and order, `prev` chain, `count == len(history) <= capacity`,
-/// every bucket but the newest full, each trade key stored once, `tickers`
-/// equal to the distinct tickers of `history`.
+/// every bucket but the newest full, each trade key stored once (in
+/// sharded mode: once per customer, and `customerId` in its canonical
+/// form), `tickers` equal to the distinct tickers of `history`. The
+/// customer filter is the `_id` range alone, also in sharded mode, so a
+/// bucket whose `customerId` is wrong is still read.
 pub async fn audit(
     settings: &Settings,
     customer: Option<&CustomerId>,
@@ -124,6 +174,7 @@ pub async fn audit(
         .await?;
     let mut audit = Audit {
         capacity: u64::from(settings.buckets.capacity),
+        sharded: settings.mongodb.sharded,
         report: AuditReport::default(),
         keys: HashSet::new(),
         current: None,
@@ -137,8 +188,11 @@ pub async fn audit(
 /// The audit's state while it reads the buckets in `_id` order.
 struct Audit {
     capacity: u64,
+    /// Sharded mode: trade keys are unique per customer.
+    sharded: bool,
     report: AuditReport,
-    /// Every trade key seen so far: each must be stored once.
+    /// Every trade key seen so far (sharded: of the current customer):
+    /// each must be stored once.
     keys: HashSet<String>,
     /// The current customer's prefix, its last bucket's id and count.
     current: Option<(Prefix, String, u64)>,
@@ -185,6 +239,20 @@ impl Audit {
             self.violation(format!(
                 "{id}: customerId {customer_text} does not match the _id"
             ));
+        }
+        if self.sharded {
+            if let Some(Bson::String(s)) = d.get("customerId") {
+                let text = CustomerId::Str(s.clone());
+                if text.canonical() != text {
+                    self.violation(format!(
+                        "{id}: customerId \"{s}\" is text; sharded mode stores it as a number"
+                    ));
+                }
+            }
+            let same_customer = self.current.as_ref().is_some_and(|(p, _, _)| *p == prefix);
+            if !same_customer {
+                self.keys.clear();
+            }
         }
         let trades = self.history(&id, d);
         self.chain(&id, prefix, d, trades);

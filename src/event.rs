@@ -130,18 +130,41 @@ impl CustomerId {
 
     /// Parses the `--customer` argument of the CLI: digits are an integer id.
     pub fn parse_cli(text: &str) -> Result<CustomerId, Reject> {
-        let id = match text.parse::<i64>() {
-            Ok(i)
-                if i >= 0
-                    && !text.starts_with('+')
-                    && !(text.len() > 1 && text.starts_with('0')) =>
-            {
-                CustomerId::Int(i)
-            }
-            _ => CustomerId::Str(text.to_string()),
+        let id = match integer_text(text) {
+            Some(i) => CustomerId::Int(i),
+            None => CustomerId::Str(text.to_string()),
         };
         validate_customer(&id)?;
         Ok(id)
+    }
+
+    /// The one value per `_id` prefix: a text id that is an integer written
+    /// plainly (`"123"`) becomes the integer, as the CLI reads it. Sharded
+    /// mode stores and queries `customerId` in this form, because the shard
+    /// key and the customer-scoped unique indexes tell `123` from `"123"`
+    /// while their buckets share one `_id` prefix.
+    pub fn canonical(&self) -> CustomerId {
+        match self {
+            CustomerId::Str(s) => match integer_text(s) {
+                Some(i) => CustomerId::Int(i),
+                None => self.clone(),
+            },
+            CustomerId::Int(_) => self.clone(),
+        }
+    }
+}
+
+/// `text` as a non-negative integer if it is one written plainly: digits
+/// only, no sign, no leading zero, within Int64. Exactly the texts an
+/// integer id prints as, so `Int(i).id_text()` reads back as `i`.
+fn integer_text(text: &str) -> Option<i64> {
+    let plain = !text.is_empty()
+        && text.bytes().all(|b| b.is_ascii_digit())
+        && !(text.len() > 1 && text.starts_with('0'));
+    if plain {
+        text.parse().ok()
+    } else {
+        None
     }
 }
 

@@ -145,9 +145,9 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
             pipeline::run(settings, token).await?;
         }
         Command::Init { create_topics } => {
-            let created = cli::init(&settings, create_topics).await?;
-            println!("indexes ready");
-            for t in created {
+            let done = cli::init(&settings, create_topics).await?;
+            println!("indexes ready ({})", done.layout);
+            for t in done.topics {
                 println!("created topic {t}");
             }
         }

@@ -7,14 +7,34 @@
 //! MongoDB 8.0). That command reports only the total matched count, so a
 //! shortfall marks every customer of the command as stale, to be reloaded:
 //! rare, and always safe, because re-planning is idempotent.
+//!
+//! The reads that decide what is stored (`load_head`, `find_keys`) go to
+//! the primary at read concern "majority", whatever the URI asks for: a
+//! fill that a stepping-down primary will roll back, or a secondary that
+//! has not caught up, must never make a trade look stored, or its offset
+//! would be committed without it. `page` and the audit keep the URI's
+//! preferences: they decide nothing, and an operator may well want them
+//! off the primary.
+//!
+//! Sharded mode (`mongodb.sharded`, for a collection sharded on
+//! `{customerId: 1}`): the unique indexes start with `customerId`, so they
+//! hold per customer (MongoDB enforces uniqueness across shards only for
+//! indexes that start with the shard key), and every filter and inserted
+//! document carries the customer, in its [canonical](CustomerId::canonical)
+//! form, so mongos sends each request to the shard that owns it. `init`
+//! creates and checks that layout; each mode refuses a collection laid out
+//! for the other.
 
 use std::collections::{BTreeMap, HashSet};
 
 use futures::{StreamExt, TryStreamExt};
 use mongodb::bson::{doc, rawdoc, Bson, Document, RawArrayBuf, RawBson, RawDocumentBuf};
 use mongodb::error::{ErrorKind, WriteFailure};
+use mongodb::event::command::CommandEvent;
+use mongodb::event::EventHandler;
 use mongodb::options::{
-    Acknowledgment, ClientOptions, FindOneOptions, IndexOptions, InsertManyOptions, WriteConcern,
+    Acknowledgment, ClientOptions, CollectionOptions, FindOneOptions, IndexOptions,
+    InsertManyOptions, ReadConcern, ReadPreference, SelectionCriteria, WriteConcern,
 };
 use mongodb::{Client, Collection, Database, IndexModel};
 
@@ -62,6 +82,23 @@ pub const CLIENT_REFUSED: i32 = -2;
 
 /// Statements of a `has_keys` query per request.
 const HELD_QUERY_CHUNK: usize = 1000;
+
+/// The server's answer for a collection or database that does not exist.
+const NAMESPACE_NOT_FOUND: i32 = 26;
+
+/// The server's answer to a user without the privilege.
+const UNAUTHORIZED: i32 = 13;
+
+/// The shard key of sharded mode. Ranged, not hashed: MongoDB enforces a
+/// unique index across shards only when it starts with the shard key, and
+/// documents that for ranged shard keys; a hashed key index cannot be
+/// unique itself. Ranged on the customer also keeps a customer's buckets
+/// in one chunk, so its page query is one shard's.
+pub const SHARD_KEY_FIELD: &str = "customerId";
+
+/// Customers per `find_keys` query in sharded mode: each is one branch of
+/// an `$or`, which the server plans branch by branch.
+const FIND_KEYS_CUSTOMERS_PER_QUERY: usize = 500;
 
 /// Bytes of fill statements per `update` command (a byte budget, not a
 /// statement count). A command over MongoDB's 16 MiB limit is refused
@@ -129,11 +166,46 @@ pub struct InsertOutcome {
     pub errors: Vec<StatementError>,
 }
 
+/// `init` refused the collection: retrying will not help, an operator must
+/// act (the message says how).
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Layout(String),
+}
+
+impl From<mongodb::error::Error> for InitError {
+    fn from(e: mongodb::error::Error) -> Self {
+        InitError::Store(StoreError::Transient(e))
+    }
+}
+
+/// Where the collection stands with sharding, as `init` found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardState {
+    /// Not connected to mongos: a replica set, where nothing is sharded.
+    NoMongos,
+    /// Through mongos; the collection is not sharded.
+    NotSharded,
+    /// Through mongos; sharded on `{customerId: 1}`.
+    Sharded,
+    /// Through mongos, but the user may not read `config.collections`:
+    /// unknown.
+    Unknown(String),
+}
+
 #[derive(Clone)]
 pub struct BucketStore {
     client: Client,
     db: Database,
     coll: Collection<Document>,
+    /// The same collection for the reads that decide what is stored: the
+    /// primary, read concern "majority" (see the module docs).
+    reads: Collection<Document>,
+    /// `mongodb.sharded`.
+    sharded: bool,
     write_concern: WriteConcern,
     /// `write_concern` as the raw `update` command spells it, encoded once.
     write_concern_doc: RawDocumentBuf,
@@ -150,6 +222,15 @@ impl BucketStore {
     /// A client for `settings.mongodb`. Errors carry no secret of the URI
     /// (the driver's parse errors may quote it).
     pub async fn connect(settings: &Settings) -> Result<Self, StoreError> {
+        Self::connect_with(settings, None).await
+    }
+
+    /// [`BucketStore::connect`], with the driver's command monitoring sent
+    /// to `command_events` (tests record every command the worker sends).
+    pub async fn connect_with(
+        settings: &Settings,
+        command_events: Option<EventHandler<CommandEvent>>,
+    ) -> Result<Self, StoreError> {
         let scrubbed = |e: mongodb::error::Error| {
             StoreError::Failed(settings.scrubber().scrub(&e.to_string()))
         };
@@ -169,9 +250,21 @@ impl BucketStore {
             .server_selection_timeout
             .get_or_insert(t.mongodb_server_selection);
         options.connect_timeout.get_or_insert(t.mongodb_connect);
+        if command_events.is_some() {
+            options.command_event_handler = command_events;
+        }
         let client = Client::with_options(options).map_err(scrubbed)?;
         let db = client.database(&m.database);
         let coll = db.collection::<Document>(&m.collection);
+        // Overrides the URI's readPreference and readConcernLevel for
+        // these reads only.
+        let reads = db.collection_with_options::<Document>(
+            &m.collection,
+            CollectionOptions::builder()
+                .read_concern(ReadConcern::majority())
+                .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
+                .build(),
+        );
         let w = match m.write_concern {
             WriteAcknowledgment::Majority => Acknowledgment::Majority,
             WriteAcknowledgment::Nodes(n) => Acknowledgment::Nodes(n),
@@ -181,6 +274,8 @@ impl BucketStore {
             client,
             db,
             coll,
+            reads,
+            sharded: m.sharded,
             write_concern_doc: write_concern_doc(&write_concern),
             write_concern,
             load_concurrency: m.load_concurrency,
@@ -195,40 +290,178 @@ impl BucketStore {
         &self.client
     }
 
-    /// Creates the indexes the guarantees rest on. Idempotent.
-    pub async fn init(&self) -> Result<(), StoreError> {
-        let unique = |name: &str, field: &str| {
-            IndexModel::builder()
-                .keys(doc! {field: 1})
-                .options(
-                    IndexOptions::builder()
-                        .name(name.to_string())
-                        .unique(true)
-                        // Buckets written by other tools (the manual's own
-                        // upsert) have neither field; they must not collide
-                        // with each other on a missing value.
-                        .partial_filter_expression(doc! {field: {"$exists": true}})
-                        .build(),
-                )
-                .build()
+    /// Whether this store runs in sharded mode.
+    pub fn sharded(&self) -> bool {
+        self.sharded
+    }
+
+    /// The customer as the buckets store it: in sharded mode its canonical
+    /// form (one shard key value per `_id` prefix), otherwise as it came.
+    pub fn stored_customer(&self, customer: &CustomerId) -> CustomerId {
+        if self.sharded {
+            customer.canonical()
+        } else {
+            customer.clone()
+        }
+    }
+
+    /// The shard key value every filter of `customer`'s buckets carries in
+    /// sharded mode; `None` otherwise.
+    pub fn shard_key(&self, customer: &CustomerId) -> Option<CustomerId> {
+        self.sharded.then(|| customer.canonical())
+    }
+
+    /// `customer`'s buckets: the `_id` prefix range, and in sharded mode
+    /// the shard key too, so mongos asks one shard.
+    fn customer_filter(&self, customer: &CustomerId) -> Document {
+        let mut filter = Prefix::of(customer).range();
+        if let Some(key) = self.shard_key(customer) {
+            filter.insert(SHARD_KEY_FIELD, key.to_bson());
+        }
+        filter
+    }
+
+    /// `<database>.<collection>`.
+    fn namespace(&self) -> String {
+        format!("{}.{}", self.db.name(), self.coll.name())
+    }
+
+    /// Creates the indexes the guarantees rest on, after checking that the
+    /// collection is laid out for this mode (see [`layout_conflict`] and
+    /// [`BucketStore::shard_state`]). Idempotent; what `run` does at
+    /// start-up. Never shards: that takes privileges a worker should not
+    /// need, and is [`BucketStore::init_and_shard`]'s.
+    pub async fn init(&self) -> Result<ShardState, InitError> {
+        let existing = self.index_models().await?;
+        if let Some(conflict) = layout_conflict(&existing, self.sharded, &self.namespace()) {
+            return Err(InitError::Layout(conflict));
+        }
+        let state = self.shard_state().await?;
+        self.coll.create_indexes(index_models(self.sharded)).await?;
+        match (&state, self.sharded) {
+            (ShardState::NoMongos, true) => tracing::warn!(
+                "mongodb.sharded is true but the server is not mongos: the customer-scoped \
+                 indexes are in place, the shard layout was not applied"
+            ),
+            (ShardState::NotSharded, true) => tracing::warn!(
+                collection = %self.namespace(),
+                "mongodb.sharded is true but the collection is not sharded yet: \
+                 `tradebucket init` shards it on {{customerId: 1}}"
+            ),
+            (ShardState::Unknown(why), _) => tracing::warn!(
+                collection = %self.namespace(),
+                reason = %why,
+                "cannot tell how the collection is sharded"
+            ),
+            _ => {}
+        }
+        Ok(state)
+    }
+
+    /// [`BucketStore::init`], and in sharded mode through mongos, shards
+    /// the collection on `{customerId: 1}` if it is not yet: what
+    /// `tradebucket init` does. First refuses buckets whose `customerId`
+    /// is not in its canonical form (a collection moved from unsharded
+    /// mode whose customer ids came as text of digits), which sharded mode
+    /// would not find.
+    pub async fn init_and_shard(&self) -> Result<ShardState, InitError> {
+        let state = self.init().await?;
+        if !self.sharded {
+            return Ok(state);
+        }
+        if let Some(id) = self.non_canonical_customer().await? {
+            return Err(InitError::Layout(format!(
+                "{ns} holds buckets whose customerId is text of digits (bucket {id}); sharded \
+                 mode stores such ids as numbers and would not find them. Convert them, with \
+                 every worker stopped, as \"Moving an existing collection\" in \
+                 docs/operations.md#sharding shows, then run init again",
+                ns = self.namespace()
+            )));
+        }
+        if state != ShardState::NotSharded {
+            return Ok(state);
+        }
+        self.client
+            .database("admin")
+            .run_command(doc! {
+                "shardCollection": self.namespace(),
+                "key": {SHARD_KEY_FIELD: 1},
+            })
+            .await?;
+        Ok(ShardState::Sharded)
+    }
+
+    /// The collection's indexes; none if it does not exist yet.
+    async fn index_models(&self) -> Result<Vec<IndexModel>, StoreError> {
+        match self.coll.list_indexes().await {
+            Ok(cursor) => Ok(cursor.try_collect().await?),
+            Err(e) if command_code(&e) == Some(NAMESPACE_NOT_FOUND) => Ok(Vec::new()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Through mongos (`hello` says `msg: "isdbgrid"`), the collection's
+    /// entry in `config.collections`, which has its shard key under `key`
+    /// on MongoDB 6, 7 and 8 (8.0 also lists unsharded collections it
+    /// tracks, as `unsplittable`, and those are not sharded). Refuses a
+    /// collection sharded on another key, and in unsharded mode any
+    /// sharded one: its global unique indexes cannot exist there.
+    async fn shard_state(&self) -> Result<ShardState, InitError> {
+        let hello = self.db.run_command(doc! {"hello": 1}).await?;
+        if hello.get_str("msg") != Ok("isdbgrid") {
+            return Ok(ShardState::NoMongos);
+        }
+        let entry = match self
+            .client
+            .database("config")
+            .collection::<Document>("collections")
+            .find_one(doc! {"_id": self.namespace()})
+            .await
+        {
+            Ok(entry) => entry,
+            Err(e) if command_code(&e) == Some(UNAUTHORIZED) => {
+                return Ok(ShardState::Unknown(e.to_string()))
+            }
+            Err(e) => return Err(e.into()),
         };
-        let models = vec![
-            // One successor per bucket: no two writers can both open page n+1.
-            unique("prev_unique", "prev"),
-            // One copy of each trade across all buckets.
-            unique("history_key_unique", "history.key"),
-            // The keyword-search index (multikey over `tickers`).
-            IndexModel::builder()
-                .keys(doc! {"customerId": 1, "tickers": 1})
-                .options(
-                    IndexOptions::builder()
-                        .name("customer_tickers".to_string())
-                        .build(),
-                )
-                .build(),
-        ];
-        self.coll.create_indexes(models).await?;
-        Ok(())
+        let key = entry
+            .filter(|c| {
+                !c.get_bool("dropped").unwrap_or(false)
+                    && !c.get_bool("unsplittable").unwrap_or(false)
+            })
+            .and_then(|c| c.get_document("key").ok().cloned());
+        let ns = self.namespace();
+        match key {
+            None => Ok(ShardState::NotSharded),
+            Some(key) if !self.sharded => Err(InitError::Layout(format!(
+                "{ns} is sharded (on {key}) but mongodb.sharded is false: set it to true \
+                 (see docs/operations.md#sharding)"
+            ))),
+            Some(key) if is_key(&key, &[SHARD_KEY_FIELD]) => Ok(ShardState::Sharded),
+            Some(key) => Err(InitError::Layout(format!(
+                "{ns} is sharded on {key}; tradebucket's sharded mode needs {{customerId: 1}} \
+                 (ranged), which its unique indexes start with. Reshard it \
+                 (reshardCollection) or use another collection"
+            ))),
+        }
+    }
+
+    /// The `_id` of a bucket whose `customerId` is text that sharded mode
+    /// would store as a number, if there is one.
+    async fn non_canonical_customer(&self) -> Result<Option<String>, StoreError> {
+        let mut cursor = self
+            .coll
+            .find(doc! {SHARD_KEY_FIELD: {"$type": "string", "$regex": "^(0|[1-9][0-9]*)$"}})
+            .projection(doc! {SHARD_KEY_FIELD: 1})
+            .await?;
+        while let Some(d) = cursor.try_next().await? {
+            let text = d.get_str(SHARD_KEY_FIELD).unwrap_or_default();
+            // Twenty digits and more stay text: no Int64 holds them.
+            if CustomerId::Str(text.to_string()).canonical() != CustomerId::Str(text.to_string()) {
+                return Ok(Some(d.get_str("_id").unwrap_or("?").to_string()));
+            }
+        }
+        Ok(None)
     }
 
     /// The newest bucket of `customer` (highest `_id` in its prefix range),
@@ -239,8 +472,8 @@ impl BucketStore {
             .projection(doc! {"count": 1, "customerId": 1, "wm": 1, "history.key": 1})
             .build();
         let doc = self
-            .coll
-            .find_one(Prefix::of(customer).range())
+            .reads
+            .find_one(self.customer_filter(customer))
             .with_options(options)
             .await?;
         doc.map(|d| head_from_document(&d)).transpose()
@@ -261,15 +494,76 @@ impl BucketStore {
             .await
     }
 
-    /// Which of `keys` are stored already, and in which bucket.
-    pub async fn find_keys(&self, keys: &[String]) -> Result<Vec<(String, String)>, StoreError> {
-        if keys.is_empty() {
+    /// Which of the `wanted` trade keys are stored already, and in which
+    /// bucket: `(key, bucket _id)`. Each pair names the customer whose
+    /// event holds the key. Unsharded, a key is looked up in every bucket
+    /// (trade ids are unique across customers, and the writer dead-letters
+    /// one found in another customer's); sharded, only in its customer's
+    /// buckets, one `$or` branch per customer, so mongos asks only their
+    /// shards.
+    pub async fn find_keys(
+        &self,
+        wanted: &[(CustomerId, String)],
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        if wanted.is_empty() {
             return Ok(Vec::new());
         }
-        let wanted: HashSet<&str> = keys.iter().map(String::as_str).collect();
+        if !self.sharded {
+            let keys: HashSet<&str> = wanted.iter().map(|(_, k)| k.as_str()).collect();
+            let list: Vec<&str> = keys.iter().copied().collect();
+            return self
+                .keys_in(doc! {"history.key": {"$in": list}}, |_, k| keys.contains(k))
+                .await;
+        }
+        let mut by_customer: BTreeMap<CustomerId, HashSet<&str>> = BTreeMap::new();
+        for (customer, key) in wanted {
+            by_customer
+                .entry(customer.canonical())
+                .or_default()
+                .insert(key.as_str());
+        }
+        let asked: HashSet<(String, &str)> = by_customer
+            .iter()
+            .flat_map(|(c, keys)| {
+                keys.iter()
+                    .map(|k| (Prefix::of(c).as_str().to_string(), *k))
+            })
+            .collect();
+        let groups: Vec<(CustomerId, HashSet<&str>)> = by_customer.into_iter().collect();
+        let mut found = Vec::new();
+        for chunk in groups.chunks(FIND_KEYS_CUSTOMERS_PER_QUERY) {
+            let mut branches: Vec<Document> = chunk
+                .iter()
+                .map(|(customer, keys)| {
+                    let keys: Vec<&str> = keys.iter().copied().collect();
+                    doc! {SHARD_KEY_FIELD: customer.to_bson(), "history.key": {"$in": keys}}
+                })
+                .collect();
+            let filter = if branches.len() == 1 {
+                branches.pop().expect("one branch")
+            } else {
+                doc! {"$or": branches}
+            };
+            // A bucket's other keys may be another asker's: only the
+            // bucket's own customer's count.
+            let owned = |id: &str, k: &str| {
+                Prefix::of_id(id).is_some_and(|p| asked.contains(&(p.as_str().to_string(), k)))
+            };
+            found.extend(self.keys_in(filter, owned).await?);
+        }
+        Ok(found)
+    }
+
+    /// `(key, bucket _id)` for every history key of the buckets `filter`
+    /// matches that `wanted(bucket _id, key)` accepts.
+    async fn keys_in(
+        &self,
+        filter: Document,
+        wanted: impl Fn(&str, &str) -> bool,
+    ) -> Result<Vec<(String, String)>, StoreError> {
         let mut cursor = self
-            .coll
-            .find(doc! {"history.key": {"$in": keys}})
+            .reads
+            .find(filter)
             .projection(doc! {"history.key": 1})
             .await?;
         let mut found = Vec::new();
@@ -277,7 +571,7 @@ impl BucketStore {
             let id = d.get_str("_id").unwrap_or_default().to_string();
             for entry in d.get_array("history").map(|a| a.as_slice()).unwrap_or(&[]) {
                 if let Some(k) = entry.as_document().and_then(|e| e.get_str("key").ok()) {
-                    if wanted.contains(k) {
+                    if wanted(&id, k) {
                         found.push((k.to_string(), id.clone()));
                     }
                 }
@@ -379,23 +673,30 @@ impl BucketStore {
         }
     }
 
-    /// Which of `appends` (bucket `_id`, a trade key our fill appended to
-    /// it) hold that key: after a fill command matched fewer statements
-    /// than it sent, which of them went in. A key is unique across buckets
-    /// and a fill is atomic, so the key being there means the fill's trades
-    /// are there (ours, or an earlier delivery's).
+    /// Which of `appends` (customer, bucket `_id`, a trade key our fill
+    /// appended to it) hold that key: after a fill command matched fewer
+    /// statements than it sent, which of them went in. A key is unique
+    /// across a customer's buckets and a fill is atomic, so the key being
+    /// there means the fill's trades are there (ours, or an earlier
+    /// delivery's). A decisive read: the primary, at "majority".
     pub async fn has_keys(
         &self,
-        appends: &[(String, String)],
+        appends: &[(CustomerId, String, String)],
     ) -> Result<HashSet<String>, StoreError> {
         let mut held = HashSet::new();
         for chunk in appends.chunks(HELD_QUERY_CHUNK) {
             let any: Vec<Document> = chunk
                 .iter()
-                .map(|(id, key)| doc! {"_id": id.as_str(), "history.key": key.as_str()})
+                .map(|(customer, id, key)| {
+                    let mut clause = doc! {"_id": id.as_str(), "history.key": key.as_str()};
+                    if let Some(shard) = self.shard_key(customer) {
+                        clause.insert(SHARD_KEY_FIELD, shard.to_bson());
+                    }
+                    clause
+                })
                 .collect();
             let mut cursor = self
-                .coll
+                .reads
                 .find(doc! {"$or": any})
                 .projection(doc! {"_id": 1})
                 .await?;
@@ -415,14 +716,148 @@ impl BucketStore {
         customer: &CustomerId,
         n: u64,
     ) -> Result<Option<Document>, StoreError> {
+        let mut filter = doc! {"_id": Prefix::of(customer).page_regex()};
+        if let Some(key) = self.shard_key(customer) {
+            filter.insert(SHARD_KEY_FIELD, key.to_bson());
+        }
         let mut cursor = self
             .coll
-            .find(doc! {"_id": Prefix::of(customer).page_regex()})
+            .find(filter)
             .sort(doc! {"_id": 1})
             .skip(n.saturating_sub(1))
             .limit(1)
             .await?;
         Ok(cursor.try_next().await?)
+    }
+}
+
+/// The indexes of each mode. Unsharded: `prev` and `history.key` unique
+/// across the collection. Sharded: both unique per customer (MongoDB
+/// allows a unique index on a sharded collection only if it starts with
+/// the shard key), and `{customerId: 1, _id: 1}`, which serves `load_head`
+/// (customer equality, `_id` range, newest first) and is the index the
+/// shard key needs: `{customerId: 1, tickers: 1}` cannot be, being
+/// multikey, and the unique ones cannot, being partial.
+fn index_models(sharded: bool) -> Vec<IndexModel> {
+    let unique = |name: &str, field: &str| {
+        let keys = if sharded {
+            doc! {SHARD_KEY_FIELD: 1, field: 1}
+        } else {
+            doc! {field: 1}
+        };
+        IndexModel::builder()
+            .keys(keys)
+            .options(
+                IndexOptions::builder()
+                    .name(name.to_string())
+                    .unique(true)
+                    // Buckets written by other tools (the manual's own
+                    // upsert) have neither field; they must not collide
+                    // with each other on a missing value.
+                    .partial_filter_expression(doc! {field: {"$exists": true}})
+                    .build(),
+            )
+            .build()
+    };
+    let plain = |name: &str, keys: Document| {
+        IndexModel::builder()
+            .keys(keys)
+            .options(IndexOptions::builder().name(name.to_string()).build())
+            .build()
+    };
+    let mut models = if sharded {
+        vec![
+            // One successor per bucket: no two writers can both open page n+1.
+            unique("customer_prev_unique", "prev"),
+            // One copy of each trade in a customer's buckets.
+            unique("customer_history_key_unique", "history.key"),
+            plain("customer_id", doc! {SHARD_KEY_FIELD: 1, "_id": 1}),
+        ]
+    } else {
+        vec![
+            unique("prev_unique", "prev"),
+            // One copy of each trade across all buckets.
+            unique("history_key_unique", "history.key"),
+        ]
+    };
+    // The keyword-search index (multikey over `tickers`).
+    models.push(plain(
+        "customer_tickers",
+        doc! {SHARD_KEY_FIELD: 1, "tickers": 1},
+    ));
+    models
+}
+
+/// Why the collection is laid out for the other mode, if it is: its unique
+/// indexes on `prev` and `history.key` are scoped to the collection
+/// (unsharded) or start with `customerId` (sharded). Found by key pattern,
+/// whatever they are named. A collection with both is half-way through a
+/// move and refused by both modes.
+pub fn layout_conflict(indexes: &[IndexModel], sharded: bool, ns: &str) -> Option<String> {
+    let unique_on = |fields: &[&str]| -> Vec<String> {
+        indexes
+            .iter()
+            .filter(|m| m.options.as_ref().and_then(|o| o.unique) == Some(true))
+            .filter(|m| is_key(&m.keys, fields))
+            .map(|m| {
+                m.options
+                    .as_ref()
+                    .and_then(|o| o.name.clone())
+                    .unwrap_or_else(|| m.keys.to_string())
+            })
+            .collect()
+    };
+    let global: Vec<String> = [&["prev"][..], &["history.key"]]
+        .iter()
+        .flat_map(|f| unique_on(f))
+        .collect();
+    let scoped: Vec<String> = [
+        &[SHARD_KEY_FIELD, "prev"][..],
+        &[SHARD_KEY_FIELD, "history.key"],
+    ]
+    .iter()
+    .flat_map(|f| unique_on(f))
+    .collect();
+    if sharded && !global.is_empty() {
+        Some(format!(
+            "mongodb.sharded is true but {ns} has the unsharded layout's unique indexes {} \
+             (trade ids unique across customers), which MongoDB does not allow on a sharded \
+             collection. Move it to sharded mode with every worker stopped: drop them \
+             (dropIndex) and run `tradebucket init` with mongodb.sharded = true; see \
+             \"Moving an existing collection\" in docs/operations.md#sharding",
+            global.join(", ")
+        ))
+    } else if !sharded && !scoped.is_empty() {
+        Some(format!(
+            "mongodb.sharded is false but {ns} has the sharded layout's unique indexes {} \
+             (trade ids unique per customer): set mongodb.sharded = true, or go back to \
+             the unsharded layout as docs/operations.md#sharding says",
+            scoped.join(", ")
+        ))
+    } else {
+        None
+    }
+}
+
+/// Whether an index key pattern is exactly `fields`, in order, ascending.
+fn is_key(keys: &Document, fields: &[&str]) -> bool {
+    keys.len() == fields.len()
+        && keys.iter().zip(fields).all(|((name, direction), field)| {
+            let ascending = match direction {
+                Bson::Int32(n) => *n == 1,
+                Bson::Int64(n) => *n == 1,
+                Bson::Double(n) => *n == 1.0,
+                _ => false,
+            };
+            name == field && ascending
+        })
+}
+
+/// The server's error code, for a command error.
+fn command_code(e: &mongodb::error::Error) -> Option<i32> {
+    match *e.kind {
+        ErrorKind::Command(ref c) => Some(c.code),
+        _ => None,
     }
 }
 
@@ -547,14 +982,26 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
 }
 
 /// The guarded append: matches only if nobody appended since we looked.
-pub fn fill_statement(fill: &Fill, trades: &[&Trade]) -> RawDocumentBuf {
+/// In sharded mode `shard_key` is the customer's (see
+/// [`BucketStore::shard_key`]), so mongos sends it to one shard.
+pub fn fill_statement(
+    fill: &Fill,
+    trades: &[&Trade],
+    shard_key: Option<&CustomerId>,
+) -> RawDocumentBuf {
     let mut max = RawDocumentBuf::new();
     for (k, v) in &fill.wm {
         max.append(format!("wm.{k}"), *v);
     }
     let tickers: RawArrayBuf = fill.tickers.iter().map(String::as_str).collect();
+    let mut q = rawdoc! {"_id": fill.bucket_id.as_str(), "count": fill.expected_count as i64};
+    match shard_key {
+        Some(CustomerId::Int(i)) => q.append(SHARD_KEY_FIELD, *i),
+        Some(CustomerId::Str(s)) => q.append(SHARD_KEY_FIELD, s.as_str()),
+        None => {}
+    }
     rawdoc! {
-        "q": {"_id": fill.bucket_id.as_str(), "count": fill.expected_count as i64},
+        "q": q,
         "u": {
             "$push": {"history": {"$each": history(trades)}},
             "$inc": {"count": trades.len() as i64},
@@ -632,6 +1079,67 @@ mod tests {
             .map(|d| d.get_i32("i").unwrap())
             .collect();
         assert_eq!(order, vec![0, 1, 2, 3, 4]);
+    }
+
+    fn index(name: &str, keys: Document, unique: bool) -> IndexModel {
+        IndexModel::builder()
+            .keys(keys)
+            .options(
+                IndexOptions::builder()
+                    .name(name.to_string())
+                    .unique(unique)
+                    .build(),
+            )
+            .build()
+    }
+
+    #[test]
+    fn each_mode_creates_what_the_other_refuses() {
+        let ns = "db.trades";
+        for sharded in [false, true] {
+            let own = index_models(sharded);
+            assert_eq!(layout_conflict(&own, sharded, ns), None, "{sharded}");
+            let refused = layout_conflict(&own, !sharded, ns).expect("the other mode refuses");
+            assert!(refused.contains("docs/operations.md#sharding"), "{refused}");
+            // Half-way through a move, both sets: both modes refuse.
+            let mut both = own.clone();
+            both.extend(index_models(!sharded));
+            assert!(layout_conflict(&both, sharded, ns).is_some());
+        }
+        // Sharded, every index starts with the shard key, and one that
+        // can support it is neither partial nor multikey: `customer_id`.
+        for m in index_models(true) {
+            assert_eq!(
+                m.keys.keys().next().map(String::as_str),
+                Some(SHARD_KEY_FIELD)
+            );
+        }
+        assert!(index_models(true)
+            .iter()
+            .any(|m| is_key(&m.keys, &[SHARD_KEY_FIELD, "_id"])
+                && m.options
+                    .as_ref()
+                    .unwrap()
+                    .partial_filter_expression
+                    .is_none()));
+    }
+
+    #[test]
+    fn layouts_are_told_by_key_pattern_not_name() {
+        let ns = "db.trades";
+        let renamed = vec![index("mine", doc! {"history.key": 1.0}, true)];
+        let why = layout_conflict(&renamed, true, ns).expect("a global unique key index");
+        assert!(why.contains("mine") && why.contains(ns), "{why}");
+        // Not unique, or descending, or another key: not the layout's.
+        for other in [
+            index("a", doc! {"history.key": 1}, false),
+            index("b", doc! {"prev": -1}, true),
+            index("c", doc! {"prev": 1, "count": 1}, true),
+        ] {
+            assert_eq!(layout_conflict(&[other], true, ns), None);
+        }
+        let scoped = vec![index("s", doc! {"customerId": 1_i64, "prev": 1}, true)];
+        assert!(layout_conflict(&scoped, false, ns).is_some());
     }
 
     #[test]

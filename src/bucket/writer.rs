@@ -213,7 +213,7 @@ impl BucketWriter {
         if asked.is_empty() {
             return Ok(());
         }
-        let keys: Vec<String> = asked.keys().map(|k| k.to_string()).collect();
+        let keys = keys_of(batch.events, &asked);
         let timer = self.timer("find_keys");
         let found = self.store.find_keys(&keys).await?;
         timer.observe_duration();
@@ -302,7 +302,9 @@ impl BucketWriter {
                 evs.truncate(limit);
             }
             let learnt = batch.known.get(customer).unwrap_or(&nothing_known);
-            let plan = plan_customer(customer, head.as_ref(), &evs, learnt, self.capacity);
+            // Sharded, a first bucket stores the customer's canonical form.
+            let stored_as = self.store.stored_customer(customer);
+            let plan = plan_customer(&stored_as, head.as_ref(), &evs, learnt, self.capacity);
             record(
                 batch.outcomes,
                 &plan.already_applied,
@@ -339,7 +341,8 @@ impl BucketWriter {
             .iter()
             .map(|&p| {
                 let fill = round.fill(p);
-                fill_statement(fill, &batch.trades(&fill.events))
+                let shard_key = self.store.shard_key(&round.plans[p].0);
+                fill_statement(fill, &batch.trades(&fill.events), shard_key.as_ref())
             })
             .collect();
         let timer = self.timer("fill");
@@ -376,18 +379,23 @@ impl BucketWriter {
         fillers: &[usize],
     ) -> Result<(), StoreError> {
         let asked: Vec<usize> = fillers.iter().copied().filter(|&p| round.held[p]).collect();
-        let appends: Vec<(String, String)> = asked
+        let appends: Vec<(CustomerId, String, String)> = asked
             .iter()
             .map(|&p| {
                 let fill = round.fill(p);
                 let last = *fill.events.last().expect("a fill appends something");
-                (fill.bucket_id.clone(), batch.events[last].0.key.clone())
+                let customer = round.plans[p].0.clone();
+                (
+                    customer,
+                    fill.bucket_id.clone(),
+                    batch.events[last].0.key.clone(),
+                )
             })
             .collect();
         let timer = self.timer("find_keys");
         let held = self.store.has_keys(&appends).await?;
         timer.observe_duration();
-        for (&p, (bucket_id, _)) in asked.iter().zip(&appends) {
+        for (&p, (_, bucket_id, _)) in asked.iter().zip(&appends) {
             if held.contains(bucket_id) {
                 round.uncached.push(round.plans[p].0.clone());
             } else {
@@ -498,7 +506,9 @@ impl BucketWriter {
     /// After a duplicate-key error: which of the conflicted customers'
     /// keys are already stored? In one of their own buckets, the event is a
     /// duplicate; in another customer's, the trade id is contested and the
-    /// event is dead-lettered.
+    /// event is dead-lettered (unsharded only: sharded, a trade id is
+    /// unique per customer, and `find_keys` looks in the customer's own
+    /// buckets).
     async fn learn_stored_keys(
         &mut self,
         batch: &mut Batch<'_>,
@@ -522,7 +532,7 @@ impl BucketWriter {
                 }
             }
         }
-        let keys: Vec<String> = owner_of.keys().map(|k| k.to_string()).collect();
+        let keys = keys_of(events, &owner_of);
         let timer = self.timer("find_keys");
         let found = self.store.find_keys(&keys).await?;
         timer.observe_duration();
@@ -711,6 +721,21 @@ impl Round {
             self.stale.push(self.plans[p].0.clone());
         }
     }
+}
+
+/// The `(customer, key)` pairs to look up: each key with the customer of
+/// every event that holds it.
+fn keys_of(
+    events: &[(Trade, Source)],
+    by_key: &HashMap<&str, Vec<usize>>,
+) -> Vec<(CustomerId, String)> {
+    by_key
+        .iter()
+        .flat_map(|(key, idx)| {
+            idx.iter()
+                .map(|&i| (events[i].0.customer.clone(), key.to_string()))
+        })
+        .collect()
 }
 
 /// Records a final outcome unless one is already known (a write we saw

@@ -132,6 +132,11 @@ pub struct MongoSettings {
     pub journal: bool,
     /// Parallel newest-bucket loads for first-seen customers.
     pub load_concurrency: usize,
+    /// Sharded mode: the unique indexes are scoped to the customer (they
+    /// start with `customerId`, the shard key), every filter carries the
+    /// customer so mongos targets its shard, and a trade id is unique per
+    /// customer only. See `bucket::store` and docs/operations.md#sharding.
+    pub sharded: bool,
 }
 
 /// The `w` of the write concern: "majority" or a number of nodes.
@@ -684,6 +689,18 @@ mod tests {
         assert!(!s.mongodb.journal);
         assert_eq!(s.kafka.auto_offset_reset, OffsetReset::Latest);
         assert_eq!(s.log.format, LogFormat::Json);
+    }
+
+    #[test]
+    fn sharded_mode_is_off_by_default_and_set_from_the_environment() {
+        assert!(!Settings::load_from(None, env(&[])).unwrap().mongodb.sharded);
+        let s =
+            Settings::load_from(None, env(&[("TRADEBUCKET__MONGODB__SHARDED", "true")])).unwrap();
+        assert!(s.mongodb.sharded);
+        assert!(s.redacted_toml().contains("sharded = true"));
+        let err = Settings::load_from(None, env(&[("TRADEBUCKET__MONGODB__SHARDED", "maybe")]))
+            .unwrap_err();
+        assert!(err.to_string().contains("sharded"), "{err}");
     }
 
     #[test]

@@ -272,6 +272,28 @@ fn cli_customer_ids_parse_like_the_json_ones() {
         CustomerId::Str("ab-1".into())
     );
     assert!(CustomerId::parse_cli("a_b").is_err());
+    // "-0" is not how 0 prints, so it is text, with its own prefix.
+    assert_eq!(
+        CustomerId::parse_cli("-0").unwrap(),
+        CustomerId::Str("-0".into())
+    );
+}
+
+#[test]
+fn the_canonical_customer_id_is_one_value_per_id_prefix() {
+    let int = |i| CustomerId::Int(i);
+    let text = |s: &str| CustomerId::Str(s.into());
+    assert_eq!(text("123").canonical(), int(123));
+    assert_eq!(text("0").canonical(), int(0));
+    assert_eq!(int(123).canonical(), int(123));
+    assert_eq!(text("9223372036854775807").canonical(), int(i64::MAX));
+    for kept in ["0123", "9223372036854775808", "-1", "+1", "12a", "C-7"] {
+        assert_eq!(text(kept).canonical(), text(kept), "{kept}");
+    }
+    // Same prefix before and after.
+    for c in [text("123"), text("0123"), int(5)] {
+        assert_eq!(c.canonical().id_text(), c.id_text());
+    }
 }
 
 proptest! {

@@ -36,7 +36,7 @@ use adapters::{watch_mongodb, watch_partitions, KafkaDeadLetters, KafkaIntake};
 pub use seams::Record;
 use seams::{BucketSink, DeadLetterSink, Intake};
 
-use crate::bucket::store::{BucketStore, StoreError};
+use crate::bucket::store::{BucketStore, InitError, StoreError};
 use crate::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use crate::config::{OffsetReset, Settings};
 use crate::event::{self, Reject, Source, Trade};
@@ -83,7 +83,7 @@ impl Pipeline {
             );
         }
         let store = BucketStore::connect(&settings).await?;
-        if !create_indexes(&store, &settings, shutdown).await {
+        if !create_indexes(&store, &settings, shutdown).await? {
             return Ok(None);
         }
         health.mongodb_ok.store(true, Ordering::Relaxed);
@@ -138,21 +138,24 @@ async fn ticking<F: std::future::Future>(health: &Health, work: F) -> F::Output 
 }
 
 /// Creates the indexes, retrying until it works; `false` if `shutdown`
-/// came first.
+/// came first. A collection laid out for the other mode (or sharded on
+/// another key) is refused at once: waiting would not change it.
 async fn create_indexes(
     store: &BucketStore,
     settings: &Settings,
     shutdown: &CancellationToken,
-) -> bool {
+) -> Result<bool, StoreError> {
     let mut backoff = Backoff::new(&settings.retry);
     loop {
-        let Err(e) = store.init().await else {
-            return true;
+        let e = match store.init().await {
+            Ok(_) => return Ok(true),
+            Err(InitError::Layout(why)) => return Err(StoreError::Failed(why)),
+            Err(InitError::Store(e)) => e,
         };
         let wait = backoff.next_wait();
         tracing::warn!(error = %error_chain(&e), retry_in = ?wait, "cannot create indexes; retrying");
         tokio::select! {
-            _ = shutdown.cancelled() => return false,
+            _ = shutdown.cancelled() => return Ok(false),
             _ = tokio::time::sleep(wait) => {}
         }
     }

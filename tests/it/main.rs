@@ -1,6 +1,7 @@
 //! Integration tests against real Kafka-protocol and MongoDB-protocol
 //! servers (`testkit::env` says which). One crate so they share one build.
 
+mod commands;
 mod ops;
 mod pipeline;
 mod plumbing;

@@ -102,18 +102,25 @@ fn assert_no_secret(text: &str) {
     }
 }
 
-/// Each secret-bearing librdkafka option (some of which librdkafka refuses
-/// in this build, quoting the value), a URI password and a secret URI
-/// option: `check-config` names the refusal and shows none of them.
+/// Each secret-bearing librdkafka option, a URI password, a secret URI
+/// option, and a password under a misspelt name (`sasl.passwor`, which
+/// librdkafka refuses, and the refusal quotes the value): `check-config`
+/// names the refusal and shows none of them.
 #[test]
 fn check_config_and_its_errors_carry_no_secret() {
     let uri = "mongodb://app:uri-pw@db1/?authMechanismProperties=AWS_SESSION_TOKEN:uri-token";
-    let vars = secret_env(uri);
+    let mut vars = secret_env(uri);
+    vars.push((
+        "TRADEBUCKET__KAFKA__OPTIONS__SASL_PASSWOR".into(),
+        "misspelt-secret".into(),
+    ));
     let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let (code, stdout, stderr) = check_config(&[], &vars);
-    assert_eq!(code, Some(64), "an OAuth/OIDC option is refused: {stderr}");
-    assert!(stderr.contains("kafka.options"), "{stderr}");
-    assert_no_secret(&format!("{stdout}{stderr}"));
+    assert_eq!(code, Some(64), "the misspelt option is refused: {stderr}");
+    assert!(stderr.contains("sasl.passwor"), "{stderr}");
+    let text = format!("{stdout}{stderr}");
+    assert_no_secret(&text);
+    assert!(!text.contains("misspelt-secret"), "{text}");
 }
 
 /// The start-up log prints the effective configuration, and MongoDB

@@ -1,12 +1,43 @@
 //! The bucket writer against the real MongoDB-protocol server: what one
-//! batch costs when some of its new buckets are refused.
+//! batch costs when some of its new buckets are refused. Each test runs in
+//! both modes (`mongodb.sharded` false and true).
 
 use testkit::*;
+use tradebucket::bucket::store::BucketStore;
 use tradebucket::bucket::writer::{BucketWriter, Outcome, WriteStats};
+use tradebucket::cli::AuditReport;
 use tradebucket::event::{decode, Source, Trade};
 use tradebucket::metrics::Metrics;
 
 const CAPACITY: u32 = 4;
+
+/// The mode's settings: capacity, and sharded or not.
+fn mode(sharded: bool) -> [(&'static str, &'static str); 2] {
+    [
+        ("TRADEBUCKET__BUCKETS__CAPACITY", "4"), // CAPACITY
+        (
+            "TRADEBUCKET__MONGODB__SHARDED",
+            if sharded { "true" } else { "false" },
+        ),
+    ]
+}
+
+async fn store(env: &TestEnv, sharded: bool) -> BucketStore {
+    let store = BucketStore::connect(&env.settings(&mode(sharded)))
+        .await
+        .expect("MongoDB client");
+    store.init().await.expect("indexes");
+    store
+}
+
+/// The audit of the mode, which must find nothing wrong.
+async fn audit_mode_clean(env: &TestEnv, sharded: bool) -> AuditReport {
+    let report = tradebucket::cli::audit(&env.settings(&mode(sharded)), None)
+        .await
+        .expect("audit");
+    assert!(report.violations.is_empty(), "{:#?}", report.violations);
+    report
+}
 
 fn event(id: &str, customer: i64, offset: i64, topic: &str) -> (Trade, Source) {
     let source = Source {
@@ -36,9 +67,14 @@ fn event(id: &str, customer: i64, offset: i64, topic: &str) -> (Trade, Source) {
 /// batch of the chaos suite's scenario 6.)
 #[tokio::test]
 async fn refused_new_buckets_cost_one_more_round_not_one_each() {
+    for sharded in [false, true] {
+        refused_new_buckets(sharded).await;
+    }
+}
+
+async fn refused_new_buckets(sharded: bool) {
     let env = TestEnv::new("writer-refusals", 1).await;
-    let store = env.store().await;
-    store.init().await.expect("indexes");
+    let store = store(&env, sharded).await;
     let mut writer = BucketWriter::new(store, CAPACITY, 10_000, Metrics::new());
     let topic = env.topic.clone();
     let chained: i64 = 100;
@@ -90,7 +126,7 @@ async fn refused_new_buckets_cost_one_more_round_not_one_each() {
     assert_eq!(stats.heads_loaded, customers.len(), "{stats:?}");
 
     // Every chain is dense, ordered and capped; nothing stored twice.
-    let report = audit_clean(&env, CAPACITY).await;
+    let report = audit_mode_clean(&env, sharded).await;
     assert_eq!(report.trades, 40 * 9 + 13);
     // Trade keys are `t:` and the trade id (src/event.rs).
     let chain: Vec<String> = (0..8)
@@ -111,9 +147,14 @@ async fn refused_new_buckets_cost_one_more_round_not_one_each() {
 /// restart) is still recognised and skipped.
 #[tokio::test]
 async fn offsets_going_backwards_never_skip_an_unstored_trade() {
+    for sharded in [false, true] {
+        offsets_going_backwards(sharded).await;
+    }
+}
+
+async fn offsets_going_backwards(sharded: bool) {
     let env = TestEnv::new("writer-backwards", 1).await;
-    let store = env.store().await;
-    store.init().await.expect("indexes");
+    let store = store(&env, sharded).await;
     let topic = env.topic.clone();
     let batch = |prefix: &str, n: i64| -> Vec<(Trade, Source)> {
         (0..n)
@@ -142,7 +183,7 @@ async fn offsets_going_backwards_never_skip_an_unstored_trade() {
     assert_eq!(outcomes, vec![Outcome::AlreadyApplied; old.len()]);
     assert_eq!(stats.below_watermark_unstored, 0, "{stats:?}");
 
-    let report = audit_clean(&env, CAPACITY).await;
+    let report = audit_mode_clean(&env, sharded).await;
     assert_eq!(report.trades, 70);
     env.cleanup().await;
 }
