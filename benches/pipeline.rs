@@ -416,7 +416,7 @@ async fn database_ceiling(
             .or_default()
             .push(i);
     }
-    let capacity = target.settings().buckets.capacity;
+    let limits = plan::Limits::with_capacity(target.settings().buckets.capacity);
     let mut docs = Vec::new();
     for indices in per_customer.values() {
         let events: Vec<Event<'_>> = indices
@@ -428,7 +428,7 @@ async fn database_ceiling(
             })
             .collect();
         let customer = &trades[indices[0]].customer;
-        let p = plan::plan_customer(customer, None, &events, &plan::Known::default(), capacity);
+        let p = plan::plan_customer(customer, None, &events, &plan::Known::default(), limits);
         for b in &p.new_buckets {
             let ts: Vec<&Trade> = b.events.iter().map(|&i| &trades[i]).collect();
             docs.push(bucket_document(b, &ts));

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::{StreamExt, TryStreamExt};
-use mongodb::bson::{doc, Bson, Document};
+use mongodb::bson::{doc, Bson, Document, RawDocumentBuf};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -20,7 +20,8 @@ use rdkafka::types::RDKafkaErrorCode;
 use secrecy::ExposeSecret;
 
 use crate::bucket::id::Prefix;
-use crate::bucket::store::{BucketStore, InitError, ShardState, StoreError};
+use crate::bucket::plan::BucketHead;
+use crate::bucket::store::{head_from_document, BucketStore, InitError, ShardState, StoreError};
 use crate::config::Settings;
 use crate::event::CustomerId;
 
@@ -154,48 +155,58 @@ pub struct AuditReport {
 }
 
 /// Checks the bucket invariants over the collection (or one customer):
-/// `_id` form and order, `prev` chain, `count == len(history) <= capacity`,
-/// every bucket but the newest full, each trade key stored once (in
-/// sharded mode: once per customer, and `customerId` in its canonical
-/// form), `tickers` equal to the distinct tickers of `history`. The
-/// customer filter is the `_id` range alone, also in sharded mode, so a
-/// bucket whose `customerId` is wrong is still read.
+/// `_id` form and order, `prev` chain, `count == len(history) <= cap`,
+/// `bytes` at least the bucket's BSON size, every bucket but the newest
+/// full by its own `cap` and `capBytes` (the rule the writers use), each
+/// trade key stored once (in sharded mode: once per customer, and
+/// `customerId` in its canonical form), `tickers` equal to the distinct
+/// tickers of `history`. `buckets.capacity` is the cap only of legacy
+/// buckets, stored without one. The customer filter is the `_id` range
+/// alone, also in sharded mode, so a bucket whose `customerId` is wrong is
+/// still read.
 pub async fn audit(
     settings: &Settings,
     customer: Option<&CustomerId>,
 ) -> Result<AuditReport, CliError> {
     let store = BucketStore::connect(settings).await?;
     let filter = customer.map(|c| Prefix::of(c).range()).unwrap_or_default();
+    // Whole documents, as stored: their length is the BSON size `bytes`
+    // must bound.
     let mut cursor = store
         .collection()
+        .clone_with_type::<RawDocumentBuf>()
         .find(filter)
         .sort(doc! {"_id": 1})
-        .projection(doc! {"count": 1, "prev": 1, "customerId": 1, "tickers": 1, "history.key": 1, "history.ticker": 1})
         .await?;
     let mut audit = Audit {
-        capacity: u64::from(settings.buckets.capacity),
+        capacity: settings.buckets.capacity,
         sharded: settings.mongodb.sharded,
         report: AuditReport::default(),
         keys: HashSet::new(),
         current: None,
     };
-    while let Some(d) = cursor.try_next().await? {
-        audit.bucket(&d);
+    while let Some(raw) = cursor.try_next().await? {
+        match raw.to_document() {
+            Ok(d) => audit.bucket(&d, raw.as_bytes().len() as u64),
+            Err(e) => audit.violation(format!("a bucket that does not parse: {e}")),
+        }
     }
     Ok(audit.report)
 }
 
 /// The audit's state while it reads the buckets in `_id` order.
 struct Audit {
-    capacity: u64,
+    /// `buckets.capacity`: the cap of a legacy bucket.
+    capacity: u32,
     /// Sharded mode: trade keys are unique per customer.
     sharded: bool,
     report: AuditReport,
     /// Every trade key seen so far (sharded: of the current customer):
     /// each must be stored once.
     keys: HashSet<String>,
-    /// The current customer's prefix, its last bucket's id and count.
-    current: Option<(Prefix, String, u64)>,
+    /// The current customer's prefix, its last bucket's id, and why that
+    /// bucket is not full by its own limits (`None`: full).
+    current: Option<(Prefix, String, Option<String>)>,
 }
 
 impl Audit {
@@ -210,8 +221,9 @@ impl Audit {
         }
     }
 
-    /// Checks one bucket, read after every bucket of lower `_id`.
-    fn bucket(&mut self, d: &Document) {
+    /// Checks one bucket of `size` BSON bytes, read after every bucket of
+    /// lower `_id`.
+    fn bucket(&mut self, d: &Document, size: u64) {
         self.report.buckets += 1;
         let id = match d.get("_id") {
             Some(Bson::String(s)) => s.clone(),
@@ -254,13 +266,46 @@ impl Audit {
                 self.keys.clear();
             }
         }
-        let trades = self.history(&id, d);
-        self.chain(&id, prefix, d, trades);
+        let head = head_from_document(d).ok();
+        self.history(&id, d, head.as_ref());
+        self.limits(&id, head.as_ref(), size);
+        self.chain(&id, prefix, d, head.as_ref());
     }
 
-    /// `count`, capacity, keys stored once, `tickers`; returns the number
-    /// of trades in `history`.
-    fn history(&mut self, id: &str, d: &Document) -> u64 {
+    /// `bytes` must bound the bucket's size, or the size rule could let it
+    /// outgrow MongoDB's limit.
+    fn limits(&mut self, id: &str, head: Option<&BucketHead>, size: u64) {
+        let Some(h) = head else { return };
+        if h.cap == Some(0) {
+            self.violation(format!("{id}: cap is 0"));
+        }
+        if let Some(s) = h.size.filter(|s| s.bytes < size) {
+            self.violation(format!(
+                "{id}: bytes is {}, below its BSON size {size}",
+                s.bytes
+            ));
+        }
+    }
+
+    /// Why `head` is not full by its own limits; `None` if it is.
+    fn not_full(&self, head: Option<&BucketHead>) -> Option<String> {
+        let h = head?;
+        if h.is_full(self.capacity) {
+            return None;
+        }
+        let cap = match h.cap {
+            Some(cap) => format!("cap {cap}"),
+            None => format!("no cap stored, capacity {}", self.capacity),
+        };
+        let size = match h.size {
+            Some(s) => format!("{} of {} bytes", s.bytes, s.cap_bytes),
+            None => "no size stored".to_string(),
+        };
+        Some(format!("holds {} trades ({cap}; {size})", h.count))
+    }
+
+    /// `count`, its cap, keys stored once, `tickers`.
+    fn history(&mut self, id: &str, d: &Document, head: Option<&BucketHead>) {
         let history: Vec<&Document> = d
             .get_array("history")
             .map(|a| a.iter().filter_map(Bson::as_document).collect())
@@ -274,9 +319,9 @@ impl Audit {
         if count != len {
             self.violation(format!("{id}: count {count} but {len} trades in history"));
         }
-        if history.is_empty() || len > self.capacity {
-            let capacity = self.capacity;
-            self.violation(format!("{id}: {len} trades, capacity is {capacity}"));
+        let cap = head.and_then(|h| h.cap).unwrap_or(self.capacity);
+        if history.is_empty() || len > u64::from(cap) {
+            self.violation(format!("{id}: {len} trades, its cap is {cap}"));
         }
         self.report.trades += len;
         let mut tickers = BTreeSet::new();
@@ -306,19 +351,16 @@ impl Audit {
                 "{id}: tickers {stored:?} but history has {tickers:?}"
             ));
         }
-        len
     }
 
     /// The `prev` chain: a customer's first bucket names its prefix, every
-    /// later one its predecessor, which must be full.
-    fn chain(&mut self, id: &str, prefix: Prefix, d: &Document, trades: u64) {
+    /// later one its predecessor, which must be full by its own limits.
+    fn chain(&mut self, id: &str, prefix: Prefix, d: &Document, head: Option<&BucketHead>) {
         let prev = d.get_str("prev").unwrap_or("<missing>").to_string();
         match self.current.take() {
-            Some((p, last_id, last_count)) if p == prefix => {
-                if last_count != self.capacity {
-                    self.violation(format!(
-                        "{last_id}: holds {last_count} trades but is not the newest bucket"
-                    ));
+            Some((p, last_id, last_not_full)) if p == prefix => {
+                if let Some(why) = last_not_full {
+                    self.violation(format!("{last_id}: {why} but is not the newest bucket"));
                 }
                 if prev != last_id {
                     self.violation(format!("{id}: prev is {prev}, expected {last_id}"));
@@ -333,7 +375,8 @@ impl Audit {
                 }
             }
         }
-        self.current = Some((prefix, id.to_string(), trades));
+        let not_full = self.not_full(head);
+        self.current = Some((prefix, id.to_string(), not_full));
     }
 }
 

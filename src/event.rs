@@ -14,16 +14,24 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use crate::bucket::size::MAX_ENTRY_BYTES;
+
 /// Latest instant whose epoch seconds still have ten digits. Bucket `_id`s
 /// carry ten zero-padded digits so that string order is time order; a later
 /// date would break `sort({_id: 1})`.
 pub const MAX_EPOCH_SECONDS: i64 = 9_999_999_999;
 
+/// Longest ticker symbol; also bounds what a trade adds to a bucket's
+/// `tickers` (see `bucket::size`).
+pub const MAX_TICKER_LEN: usize = 16;
+
 /// Why an event was rejected. The kind is the dead-letter header value and
 /// the metric label, so the set is closed and stable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RejectKind {
-    /// The payload is larger than `kafka.max_message_bytes`.
+    /// The payload is larger than `kafka.max_message_bytes`, or the trade
+    /// as stored (BSON) is larger than any bucket can take
+    /// ([`crate::bucket::size::MAX_ENTRY_BYTES`]).
     Oversize,
     /// No payload at all (a tombstone or an empty message).
     Empty,
@@ -357,6 +365,7 @@ impl TradeFields {
                 format!("the trade cannot be encoded as BSON: {e}"),
             )
         })?;
+        check_entry_size(&doc)?;
         Ok(Trade {
             key,
             customer,
@@ -365,6 +374,24 @@ impl TradeFields {
             doc,
         })
     }
+}
+
+/// A trade whose history entry is larger than any bucket can take would
+/// be refused by MongoDB in every bucket; BSON can be several times the
+/// JSON (an array of small numbers: 2 bytes each in JSON, 7 to 12 in BSON),
+/// so `kafka.max_message_bytes` alone does not bound it.
+fn check_entry_size(doc: &RawDocumentBuf) -> Result<(), Reject> {
+    let len = doc.as_bytes().len() as u64;
+    if len > MAX_ENTRY_BYTES {
+        return Err(Reject::new(
+            RejectKind::Oversize,
+            format!(
+                "the trade is {len} bytes of BSON as stored, limit is {MAX_ENTRY_BYTES}: \
+                 no bucket can take it"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The top-level object as (name, raw JSON) pairs in input order, refusing
@@ -473,7 +500,7 @@ fn parse_ticker(raw: &str) -> Result<String, Reject> {
     let s =
         serde_json::from_str::<String>(raw).map_err(|_| field_err("ticker", "must be a string"))?;
     if s.is_empty()
-        || s.len() > 16
+        || s.len() > MAX_TICKER_LEN
         || !s
             .bytes()
             .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'.' || b == b'-')

@@ -3,5 +3,6 @@
 
 pub mod id;
 pub mod plan;
+pub mod size;
 pub mod store;
 pub mod writer;

@@ -10,6 +10,15 @@
 //! - a new bucket names its predecessor in `prev`, under a unique index: one
 //!   successor per bucket, and we only plan a successor for a bucket we have
 //!   seen full, so every bucket but the newest is full;
+//! - "full" is a property of the stored bucket, never of this process or of
+//!   the incoming trade: each bucket stores the limits it was opened with
+//!   (`cap`, `capBytes`) and a bound of its size (`bytes`, see
+//!   [`super::size`]), and is full when `count >= cap` or
+//!   `bytes >= capBytes`. Writers with different `buckets.capacity` (a
+//!   rolling update that changes it) therefore agree on every bucket: one
+//!   never appends to a bucket another has already seen full and given a
+//!   successor. The guard stays `{_id, count}`: `bytes` only changes with
+//!   `count`, in the same update, so the same count means the same bytes;
 //! - `history.key` is unique across documents, so a trade cannot land in two
 //!   buckets; within the open bucket the exact key copy catches it;
 //! - `wm` (watermark) maps each source partition to the highest offset whose
@@ -28,7 +37,39 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use mongodb::bson::Bson;
 
 use super::id::{Position, Prefix};
+use super::size;
 use crate::event::{CustomerId, Source, Trade};
+
+/// The limits a new bucket is opened with, stored in it as `cap` and
+/// `capBytes`; they decide when that bucket is full for every writer,
+/// whatever limits the writer itself would open buckets with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Trades per bucket: `buckets.capacity`. Also the count at which a
+    /// legacy bucket (one stored without `cap`) is full.
+    pub cap: u32,
+    /// The size bound at which a bucket is full.
+    pub cap_bytes: u64,
+}
+
+impl Limits {
+    /// This version's limits for `capacity` trades per bucket.
+    pub fn with_capacity(capacity: u32) -> Limits {
+        Limits {
+            cap: capacity,
+            cap_bytes: size::CAP_BYTES,
+        }
+    }
+}
+
+/// A bucket's size bound and the bound it closes at, as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size {
+    /// `bytes`: at least the bucket's BSON size.
+    pub bytes: u64,
+    /// `capBytes`: full at or above this.
+    pub cap_bytes: u64,
+}
 
 /// What we know of a customer's newest bucket.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,6 +79,14 @@ pub struct BucketHead {
     /// of a customer carries the same type.
     pub customer: Bson,
     pub count: u32,
+    /// `cap`: the count it is full at. `None` for a legacy bucket (written
+    /// before buckets stored their limits, or by another tool): full at the
+    /// writer's own capacity, as the version that wrote it decided.
+    pub cap: Option<u32>,
+    /// `bytes` and `capBytes`. `None` for a legacy bucket: never full by
+    /// size, and its fills leave `bytes` absent (an `$inc` would create it
+    /// holding only the growth, below the true size).
+    pub size: Option<Size>,
     /// `history.key` of every trade in this bucket.
     pub keys: HashSet<String>,
     /// Partition key -> highest applied offset.
@@ -45,6 +94,23 @@ pub struct BucketHead {
 }
 
 impl BucketHead {
+    /// Whether this bucket takes no more trades, by its own stored limits;
+    /// `legacy_cap` counts only for a bucket stored without `cap`.
+    pub fn is_full(&self, legacy_cap: u32) -> bool {
+        self.count >= self.cap.unwrap_or(legacy_cap)
+            || self.size.is_some_and(|s| s.bytes >= s.cap_bytes)
+    }
+
+    /// The bucket once `ev` is appended to it.
+    fn push(&mut self, ev: &Event<'_>) {
+        self.count += 1;
+        self.keys.insert(ev.trade.key.clone());
+        advance(&mut self.wm, ev.source);
+        if let Some(s) = self.size.as_mut() {
+            s.bytes += size::charge(ev.trade, ev.source);
+        }
+    }
+
     /// Whether `source`'s offset is at or below this bucket's watermark for
     /// its partition: stored by an earlier delivery, if offsets only grew.
     pub fn covers(&self, source: &Source) -> bool {
@@ -73,6 +139,9 @@ pub struct Fill {
     /// Watermark advances (partition key -> offset), applied with `$max`.
     pub wm: BTreeMap<String, i64>,
     pub tickers: BTreeSet<String>,
+    /// What to add to the bucket's `bytes` (the sum of the events'
+    /// [`size::charge`]); `None` for a legacy bucket, which has none.
+    pub bytes: Option<u64>,
 }
 
 /// A whole new bucket.
@@ -85,6 +154,11 @@ pub struct NewBucket {
     pub events: Vec<usize>,
     pub wm: BTreeMap<String, i64>,
     pub tickers: BTreeSet<String>,
+    /// The limits it is opened with (`cap`, `capBytes`).
+    pub limits: Limits,
+    /// Its size bound (`bytes`): the empty bucket's exact size plus each
+    /// event's [`size::charge`].
+    pub bytes: u64,
 }
 
 /// What the writer learnt from the database about a customer's keys,
@@ -124,13 +198,19 @@ impl CustomerPlan {
 
 /// Plans one customer's events (in stream order) against `head`, its
 /// newest bucket as we know it. `known` holds what the writer learnt from
-/// the database about keys the head does not show (see [`Known`]).
+/// the database about keys the head does not show (see [`Known`]); new
+/// buckets are opened with `limits`.
+///
+/// Events fill the open bucket while it is not full, then open new
+/// buckets, each taking events until it is full (counting the events
+/// planned into it) or the events run out: a successor follows only a
+/// bucket that is full by its own limits.
 pub fn plan_customer(
     customer: &CustomerId,
     head: Option<&BucketHead>,
     events: &[Event<'_>],
     known: &Known,
-    capacity: u32,
+    limits: Limits,
 ) -> CustomerPlan {
     let mut plan = CustomerPlan::default();
     let accepted = classify(head, events, known, &mut plan);
@@ -139,11 +219,11 @@ pub fn plan_customer(
 
     if let Some(h) = head
         .as_mut()
-        .filter(|h| h.count < capacity && !rest.is_empty())
+        .filter(|h| !h.is_full(limits.cap) && !rest.is_empty())
     {
-        let (now, later) = rest.split_at(rest.len().min((capacity - h.count) as usize));
-        plan.fill = Some(fill(h, now));
-        rest = later;
+        let fill = fill(h, rest, limits.cap);
+        rest = &rest[fill.events.len()..];
+        plan.fill = Some(fill);
     }
 
     let prefix = Prefix::of(customer);
@@ -156,11 +236,10 @@ pub fn plan_customer(
                 break;
             }
         };
-        let (now, later) = rest.split_at(rest.len().min(capacity as usize));
-        let (bucket, after) = open_bucket(&prefix, customer, head.as_ref(), at, now);
+        let (bucket, after) = open_bucket(&prefix, customer, head.as_ref(), at, rest, limits);
+        rest = &rest[bucket.events.len()..];
         plan.new_buckets.push(bucket);
         head = Some(after);
-        rest = later;
     }
 
     plan.after = head;
@@ -195,25 +274,29 @@ fn classify<'a>(
     accepted
 }
 
-/// The guarded append of `events` to the open bucket `head`, which has
-/// room for them; `head` becomes the bucket as it will be after it.
-fn fill(head: &mut BucketHead, events: &[Event<'_>]) -> Fill {
+/// The guarded append to the open bucket `head` (not full) of the first
+/// `events` it takes before it is full; `head` becomes the bucket as it
+/// will be after it.
+fn fill(head: &mut BucketHead, events: &[Event<'_>], legacy_cap: u32) -> Fill {
     let mut fill = Fill {
         bucket_id: head.id.clone(),
         expected_count: head.count,
         events: Vec::with_capacity(events.len()),
         wm: BTreeMap::new(),
         tickers: BTreeSet::new(),
+        bytes: head.size.map(|_| 0),
     };
     for ev in events {
+        if head.is_full(legacy_cap) {
+            break;
+        }
         fill.events.push(ev.index);
         advance(&mut fill.wm, ev.source);
         fill.tickers.insert(ev.trade.ticker.clone());
-        head.keys.insert(ev.trade.key.clone());
-    }
-    head.count += events.len() as u32;
-    for (k, v) in &fill.wm {
-        advance_to(&mut head.wm, k, *v);
+        if let Some(b) = fill.bytes.as_mut() {
+            *b += size::charge(ev.trade, ev.source);
+        }
+        head.push(ev);
     }
     fill
 }
@@ -238,40 +321,56 @@ fn next_position(
         .ok_or_else(|| "no bucket _id sorts after the newest bucket".to_string())
 }
 
-/// A new bucket at `at` holding `events`, after `head` (or the customer's
-/// first); and the newest bucket once it is in.
+/// A new bucket at `at`, after `head` (or the customer's first), holding
+/// the first `events` it takes before it is full by `limits`; and the
+/// newest bucket once it is in.
 fn open_bucket(
     prefix: &Prefix,
     customer: &CustomerId,
     head: Option<&BucketHead>,
     at: Position,
     events: &[Event<'_>],
+    limits: Limits,
 ) -> (NewBucket, BucketHead) {
+    let id = prefix.id(at);
+    let prev = head.map_or_else(|| prefix.as_str().to_string(), |h| h.id.clone());
+    let customer = head.map_or_else(|| customer.to_bson(), |h| h.customer.clone());
     // A new bucket carries the customer's whole watermark, so the newest
     // bucket alone tells what is applied.
-    let mut wm = head.map(|h| h.wm.clone()).unwrap_or_default();
-    let mut bucket = NewBucket {
-        id: prefix.id(at),
-        prev: head.map_or_else(|| prefix.as_str().to_string(), |h| h.id.clone()),
-        customer: head.map_or_else(|| customer.to_bson(), |h| h.customer.clone()),
-        events: Vec::with_capacity(events.len()),
-        wm: BTreeMap::new(),
-        tickers: BTreeSet::new(),
-    };
-    let mut keys = HashSet::with_capacity(events.len());
-    for ev in events {
-        bucket.events.push(ev.index);
-        advance(&mut wm, ev.source);
-        bucket.tickers.insert(ev.trade.ticker.clone());
-        keys.insert(ev.trade.key.clone());
-    }
-    bucket.wm = wm.clone();
-    let after = BucketHead {
-        id: bucket.id.clone(),
-        customer: bucket.customer.clone(),
-        count: events.len() as u32,
-        keys,
+    let wm = head.map(|h| h.wm.clone()).unwrap_or_default();
+    let mut after = BucketHead {
+        size: Some(Size {
+            bytes: size::empty_bucket(&id, &customer, &prev, &wm),
+            cap_bytes: limits.cap_bytes,
+        }),
+        id,
+        customer,
+        count: 0,
+        cap: Some(limits.cap),
+        keys: HashSet::with_capacity(events.len()),
         wm,
+    };
+    let mut taken = Vec::with_capacity(events.len());
+    let mut tickers = BTreeSet::new();
+    for ev in events {
+        // At least one event, however small the limits: a bucket is never
+        // empty, and the caller's loop must advance.
+        if !taken.is_empty() && after.is_full(limits.cap) {
+            break;
+        }
+        taken.push(ev.index);
+        tickers.insert(ev.trade.ticker.clone());
+        after.push(ev);
+    }
+    let bucket = NewBucket {
+        id: after.id.clone(),
+        prev,
+        customer: after.customer.clone(),
+        events: taken,
+        wm: after.wm.clone(),
+        tickers,
+        limits,
+        bytes: after.size.expect("opened with a size").bytes,
     };
     (bucket, after)
 }

@@ -469,7 +469,10 @@ impl BucketStore {
     pub async fn load_head(&self, customer: &CustomerId) -> Result<Option<BucketHead>, StoreError> {
         let options = FindOneOptions::builder()
             .sort(doc! {"_id": -1})
-            .projection(doc! {"count": 1, "customerId": 1, "wm": 1, "history.key": 1})
+            .projection(doc! {
+                "count": 1, "cap": 1, "capBytes": 1, "bytes": 1,
+                "customerId": 1, "wm": 1, "history.key": 1,
+            })
             .build();
         let doc = self
             .reads
@@ -954,6 +957,13 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
             )))
         }
     };
+    // Without them the bucket is a legacy one (see `BucketHead::cap` and
+    // `BucketHead::size`); a value that is not a count counts as absent.
+    let cap = stored_number(d, "cap").and_then(|c| u32::try_from(c).ok());
+    let size = match (stored_number(d, "bytes"), stored_number(d, "capBytes")) {
+        (Some(bytes), Some(cap_bytes)) => Some(super::plan::Size { bytes, cap_bytes }),
+        _ => None,
+    };
     let keys = d
         .get_array("history")
         .map(|a| a.as_slice())
@@ -976,14 +986,28 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
         id,
         customer: d.get("customerId").cloned().unwrap_or(Bson::Null),
         count,
+        cap,
+        size,
         keys,
         wm,
     })
 }
 
+/// A non-negative integer field, as any numeric BSON type.
+fn stored_number(d: &Document, field: &str) -> Option<u64> {
+    match d.get(field)? {
+        Bson::Int32(n) => u64::try_from(*n).ok(),
+        Bson::Int64(n) => u64::try_from(*n).ok(),
+        Bson::Double(n) if *n >= 0.0 && n.fract() == 0.0 => Some(*n as u64),
+        _ => None,
+    }
+}
+
 /// The guarded append: matches only if nobody appended since we looked.
 /// In sharded mode `shard_key` is the customer's (see
-/// [`BucketStore::shard_key`]), so mongos sends it to one shard.
+/// [`BucketStore::shard_key`]), so mongos sends it to one shard. The same
+/// count means the same `bytes` (both change only here, together), so the
+/// guard also vouches for the size bound the plan started from.
 pub fn fill_statement(
     fill: &Fill,
     trades: &[&Trade],
@@ -1000,11 +1024,15 @@ pub fn fill_statement(
         Some(CustomerId::Str(s)) => q.append(SHARD_KEY_FIELD, s.as_str()),
         None => {}
     }
+    let mut inc = rawdoc! {"count": trades.len() as i64};
+    if let Some(bytes) = fill.bytes {
+        inc.append("bytes", bytes as i64);
+    }
     rawdoc! {
         "q": q,
         "u": {
             "$push": {"history": {"$each": history(trades)}},
-            "$inc": {"count": trades.len() as i64},
+            "$inc": inc,
             "$max": max,
             "$addToSet": {"tickers": {"$each": tickers}},
         },
@@ -1023,10 +1051,14 @@ pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocumentBuf 
     let customer = RawBson::try_from(bucket.customer.clone())
         .expect("a customer id taken from BSON re-encodes as BSON");
     let tickers: RawArrayBuf = bucket.tickers.iter().map(String::as_str).collect();
+    // Field for field what `size::empty_bucket` counts.
     rawdoc! {
         "_id": bucket.id.as_str(),
         "customerId": customer,
         "count": trades.len() as i64,
+        "cap": i64::from(bucket.limits.cap),
+        "capBytes": bucket.limits.cap_bytes as i64,
+        "bytes": bucket.bytes as i64,
         "history": history(trades),
         "tickers": tickers,
         "prev": bucket.prev.as_str(),

@@ -26,7 +26,7 @@ use lru::LruCache;
 use mongodb::bson::RawDocumentBuf;
 
 use super::id::Prefix;
-use super::plan::{plan_customer, BucketHead, CustomerPlan, Event, Fill, Known};
+use super::plan::{plan_customer, BucketHead, CustomerPlan, Event, Fill, Known, Limits};
 use super::store::{bucket_document, fill_statement, BucketStore, StatementError, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 use crate::metrics::Metrics;
@@ -73,6 +73,8 @@ pub struct WriteStats {
 
 pub struct BucketWriter {
     store: BucketStore,
+    /// Trades per bucket this writer opens (`buckets.capacity`); a bucket
+    /// is full at its own stored `cap`, whatever this says.
     capacity: u32,
     cache: LruCache<CustomerId, Option<BucketHead>>,
     metrics: Metrics,
@@ -304,7 +306,8 @@ impl BucketWriter {
             let learnt = batch.known.get(customer).unwrap_or(&nothing_known);
             // Sharded, a first bucket stores the customer's canonical form.
             let stored_as = self.store.stored_customer(customer);
-            let plan = plan_customer(&stored_as, head.as_ref(), &evs, learnt, self.capacity);
+            let limits = Limits::with_capacity(self.capacity);
+            let plan = plan_customer(&stored_as, head.as_ref(), &evs, learnt, limits);
             record(
                 batch.outcomes,
                 &plan.already_applied,
@@ -421,8 +424,8 @@ impl BucketWriter {
         self.insert(batch, round, firsts, false).await
     }
 
-    /// ... then the rest of the chains (only customers with more than
-    /// `capacity` new events in the batch), chain by chain in one ordered
+    /// ... then the rest of the chains (only customers whose new events
+    /// fill more than one bucket), chain by chain in one ordered
     /// insert, for the customers whose first bucket went in.
     async fn insert_chains(
         &mut self,

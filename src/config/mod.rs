@@ -18,10 +18,6 @@ pub use secret::{redact_uri, Scrubber, REDACTED, SECRET_KAFKA_OPTIONS};
 /// The defaults, exactly as documented for operators.
 pub const DEFAULT_TOML: &str = include_str!("../../config/default.toml");
 
-/// BSON's document size limit is 16 MiB; a full bucket must stay below it
-/// with room for the bookkeeping fields.
-const MAX_BUCKET_PAYLOAD_BYTES: u64 = 15 * 1024 * 1024;
-
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot load configuration: {0}")]
@@ -88,7 +84,11 @@ pub struct KafkaSettings {
     /// poll loop before the member is considered stuck.
     #[serde(with = "humantime_serde")]
     pub max_poll_interval: Duration,
-    /// Largest accepted payload; larger events are dead-lettered.
+    /// Largest accepted payload (JSON bytes); larger events are
+    /// dead-lettered. It bounds what a record costs to read, not a bucket:
+    /// buckets close by BSON size, and a trade too large for any bucket
+    /// is dead-lettered at decode (`bucket::size`), so it places no limit
+    /// on `buckets.capacity`.
     pub max_message_bytes: usize,
     /// librdkafka properties passed through (security, tuning). Values are
     /// secrets unless the property is known to be public
@@ -400,16 +400,13 @@ impl Settings {
     }
 
     fn validate_buckets_and_batch(&self) -> Result<(), ConfigError> {
-        let (b, k) = (&self.buckets, &self.kafka);
+        let b = &self.buckets;
+        // No rule ties capacity to `kafka.max_message_bytes` any more: that
+        // bounded JSON, and a bucket's size is BSON, which can be several
+        // times larger. Buckets now close by their BSON size as well as by
+        // count (`bucket::size`), so any capacity here fits MongoDB's limit.
         if !(1..=1000).contains(&b.capacity) {
             return Err(invalid("buckets.capacity", "must be between 1 and 1000"));
-        }
-        if u64::from(b.capacity) * k.max_message_bytes as u64 > MAX_BUCKET_PAYLOAD_BYTES {
-            return Err(invalid(
-                "buckets.capacity",
-                "capacity x kafka.max_message_bytes must stay below 15 MiB \
-                 (a full bucket must fit MongoDB's 16 MiB document limit)",
-            ));
         }
         if b.cache_customers == 0 {
             return Err(invalid("buckets.cache_customers", "must be positive"));
@@ -595,6 +592,20 @@ mod tests {
             let err = Settings::load_from(None, env(&[(key, value)])).unwrap_err();
             assert!(err.to_string().contains(field), "{key}={value}: {err}");
         }
+    }
+
+    #[test]
+    fn capacity_and_message_size_are_independent() {
+        // 1000 x 8 MiB: refused while buckets closed by count alone.
+        let s = Settings::load_from(
+            None,
+            env(&[
+                ("TRADEBUCKET__BUCKETS__CAPACITY", "1000"),
+                ("TRADEBUCKET__KAFKA__MAX_MESSAGE_BYTES", "8388608"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.buckets.capacity, 1000);
     }
 
     #[test]

@@ -165,6 +165,29 @@ fn payload_level_rejects_have_their_own_kinds() {
     assert_eq!(d(Some(dup.as_bytes()), 1000), RejectKind::DuplicateField);
 }
 
+/// BSON can be several times the JSON: an array of zeros is 2 bytes an
+/// element in JSON and up to 12 in BSON (type, index digits, NUL, int32).
+/// A trade under `max_message_bytes` but over `MAX_ENTRY_BYTES` as stored
+/// is refused at decode, naming its BSON size; one just under is stored.
+#[test]
+fn a_trade_too_large_as_bson_for_any_bucket_is_oversize() {
+    let array = |n: usize| with("legs", Some(&format!("[{}0]", "0,".repeat(n - 1))));
+    let small = array(300_000);
+    let trade = decode(Some(small.as_bytes()), &src(), 16 << 20).unwrap();
+    let bson = trade.doc.as_bytes().len();
+    assert!(
+        bson > 5 * small.len(),
+        "{bson} bytes of BSON from {}",
+        small.len()
+    );
+
+    let big = array(800_000);
+    assert!(big.len() < 2 << 20, "{} bytes of JSON", big.len());
+    let e = decode(Some(big.as_bytes()), &src(), 16 << 20).unwrap_err();
+    assert_eq!(e.kind, RejectKind::Oversize);
+    assert!(e.message.contains("bytes of BSON"), "{e}");
+}
+
 #[test]
 fn every_required_field_is_named_when_missing() {
     for field in ["customerId", "type", "ticker", "qty", "date"] {

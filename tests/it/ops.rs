@@ -4,6 +4,7 @@
 use std::process::Command;
 use std::time::Duration;
 
+use mongodb::bson::doc;
 use testkit::*;
 
 use tradebucket::config::SECRET_KAFKA_OPTIONS;
@@ -222,7 +223,10 @@ fn audit_text(vars: &std::collections::BTreeMap<String, String>) -> (Option<i32>
 
 /// `audit --json` is the text report, machine-readable (what the harnesses
 /// and scripts/demo read): same counts, same violations, same exit code,
-/// for a clean database and for one audited with too small a capacity.
+/// for a clean database and for one with violations. Buckets are audited
+/// by the `cap` stored in them, so the configured capacity does not matter
+/// to them; with `cap` removed (as in buckets of earlier versions) the
+/// configured capacity is their cap, and too small a one is a violation.
 #[tokio::test]
 async fn audit_json_matches_the_text_report() {
     let env = TestEnv::new("audit-json", 2).await;
@@ -234,8 +238,21 @@ async fn audit_json_matches_the_text_report() {
     let customers: std::collections::HashSet<String> =
         events.iter().map(|e| e["customerId"].to_string()).collect();
 
-    // (capacity the audit assumes, exit code expected)
-    for (capacity, exit) in [("4", 0), ("2", 1)] {
+    // (remove `cap` first, capacity the audit assumes, exit code expected)
+    for (legacy, capacity, exit) in [
+        (false, "4", 0),
+        (false, "2", 0),
+        (true, "4", 0),
+        (true, "2", 1),
+    ] {
+        if legacy {
+            env.store()
+                .await
+                .collection()
+                .update_many(doc! {}, doc! {"$unset": {"cap": ""}})
+                .await
+                .expect("unset cap");
+        }
         let vars = env.vars(&[("TRADEBUCKET__BUCKETS__CAPACITY", capacity)]);
         let (text_code, text) = audit_text(&vars);
         let (json_code, report) = audit_json(bin(), &vars);

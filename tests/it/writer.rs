@@ -298,3 +298,190 @@ async fn write_all(w: &mut BucketWriter, batch: Vec<(Trade, Source)>) -> WriteSt
     assert!(outcomes.iter().all(|o| *o == Outcome::Written));
     stats
 }
+
+/// A trade whose `legs` extra holds `n` zeros: 2 bytes an element in
+/// JSON, about 12 in BSON (type, index digits, NUL, int32).
+fn heavy_event(id: &str, customer: i64, offset: i64, topic: &str, legs: usize) -> (Trade, Source) {
+    let source = Source {
+        topic: topic.to_string(),
+        partition: 0,
+        offset,
+    };
+    let mut json = trade(id)
+        .customer(customer)
+        .date(1_700_000_000_000i64 + offset * 1000)
+        .json();
+    json["legs"] = serde_json::Value::Array(vec![0.into(); legs]);
+    let payload = json.to_string().into_bytes();
+    let trade = decode(Some(&payload), &source, 16 << 20)
+        .unwrap_or_else(|r| panic!("test event {id} rejected: {r:?}"));
+    (trade, source)
+}
+
+/// The buckets whose `_id` starts with `<customer>_`, in page order.
+async fn buckets_of(env: &TestEnv, customer: i64) -> Vec<mongodb::bson::Document> {
+    let prefix = format!("{customer}_");
+    env.buckets()
+        .await
+        .into_iter()
+        .filter(|b| b.get_str("_id").unwrap().starts_with(&prefix))
+        .collect()
+}
+
+fn keys_of(bucket: &mongodb::bson::Document) -> Vec<String> {
+    bucket
+        .get_array("history")
+        .unwrap()
+        .iter()
+        .map(|h| h.as_document().unwrap().get_str("key").unwrap().to_string())
+        .collect()
+}
+
+fn int(bucket: &mongodb::bson::Document, field: &str) -> i64 {
+    bucket
+        .get_i64(field)
+        .unwrap_or_else(|_| panic!("{field} in {:?}", bucket.get("_id")))
+}
+
+/// A trade of 6 MiB of BSON (from about 1 MiB of JSON) with capacity 10:
+/// it is stored, and the bucket it fills is closed by size, so a later big
+/// trade opens a new bucket rather than pushing one past MongoDB's 16 MiB
+/// (which was refused, and then refused every later trade of the
+/// customer). One customer's trades arrive over two batches (the big ones
+/// go in by a fill of about 12 MiB, one `update` command on its own); the
+/// other's in one (a 12 MiB bucket inserted, then its successor).
+#[tokio::test]
+async fn six_mib_trades_close_buckets_by_size_instead_of_failing() {
+    let env = TestEnv::new("writer-big", 1).await;
+    let store = env.store().await;
+    store.init().await.expect("indexes");
+    let mut writer = BucketWriter::new(store, 10, 10_000, Metrics::new());
+    let topic = env.topic.clone();
+    // Small, small, small, BIG, small, small, BIG, BIG, small, small, small.
+    let big = [3, 6, 7];
+    let stream = |customer: i64, first_offset: i64| -> Vec<(Trade, Source)> {
+        (0..11)
+            .map(|i| {
+                let id = format!("c{customer}-{i}");
+                let offset = first_offset + i;
+                if big.contains(&i) {
+                    heavy_event(&id, customer, offset, &topic, 540_000)
+                } else {
+                    event(&id, customer, offset, &topic)
+                }
+            })
+            .collect()
+    };
+    let split = stream(1, 0);
+    let whole = stream(2, 100);
+    let bson = split[3].0.doc.as_bytes().len();
+    assert!((6 << 20..7 << 20).contains(&bson), "{bson} bytes of BSON");
+
+    for batch in [&split[..3], &split[3..], &whole[..]] {
+        let mut outcomes = vec![Outcome::Pending; batch.len()];
+        writer.write(batch, &mut outcomes).await.expect("batch");
+        assert_eq!(outcomes, vec![Outcome::Written; batch.len()]);
+    }
+
+    let report = audit_clean(&env, 10).await;
+    assert_eq!(report.trades, 22);
+    for (customer, events) in [(1, &split), (2, &whole)] {
+        let buckets = buckets_of(&env, customer).await;
+        let pages: Vec<Vec<String>> = buckets.iter().map(keys_of).collect();
+        let key = |i: usize| events[i].0.key.clone();
+        // The second big trade left the first bucket at seven trades and
+        // about 12 MiB: full by size, so the third opened the next.
+        assert_eq!(
+            pages,
+            vec![
+                (0..7).map(key).collect::<Vec<_>>(),
+                (7..11).map(key).collect::<Vec<_>>()
+            ],
+            "customer {customer}"
+        );
+        let first = &buckets[0];
+        assert_eq!(int(first, "cap"), 10);
+        assert!(int(first, "bytes") >= int(first, "capBytes"));
+        let stored = mongodb::bson::to_vec(first).unwrap().len() as i64;
+        assert!((12 << 20..16 << 20).contains(&stored), "{stored}");
+        assert!(int(first, "bytes") - stored < 4096, "a tight bound");
+    }
+    env.cleanup().await;
+}
+
+/// Two writers opening buckets of 10 and of 20 write one customer at the
+/// same time, each its own partition's trades (a customer spread over
+/// partitions, during a rolling update that changes the capacity). Every
+/// bucket is filled to its own `cap`, whichever writer appends: every
+/// bucket but the newest holds exactly its cap (so none got a trade after
+/// its successor existed: it was full when the successor was opened), and
+/// each partition's trades are in stream order across the pages.
+#[tokio::test]
+async fn writers_with_capacities_10_and_20_fill_each_bucket_to_its_own() {
+    let env = TestEnv::new("writer-caps", 2).await;
+    let store = env.store().await;
+    store.init().await.expect("indexes");
+    let topic = env.topic.clone();
+    let customer = 7;
+    // 300 trades, alternating partitions, dated in stream order.
+    let stream: Vec<(Trade, Source)> = (0..300)
+        .map(|i: i64| {
+            let (trade, mut source) = event(&format!("s{i}"), customer, i, &topic);
+            source.partition = (i % 2) as i32;
+            source.offset = i / 2;
+            (trade, source)
+        })
+        .collect();
+    let of_partition = |p: i32| -> Vec<(Trade, Source)> {
+        stream
+            .iter()
+            .filter(|(_, s)| s.partition == p)
+            .cloned()
+            .collect()
+    };
+    let run = |mut writer: BucketWriter, events: Vec<(Trade, Source)>, seed: usize| async move {
+        let mut rest = events.as_slice();
+        let mut n = seed;
+        while !rest.is_empty() {
+            // Batches of 1 to 7 events, varying.
+            n = (n * 5 + 3) % 7;
+            let (batch, later) = rest.split_at((n + 1).min(rest.len()));
+            let mut outcomes = vec![Outcome::Pending; batch.len()];
+            writer.write(batch, &mut outcomes).await.expect("batch");
+            assert_eq!(outcomes, vec![Outcome::Written; batch.len()]);
+            rest = later;
+        }
+    };
+    let ten = BucketWriter::new(store.clone(), 10, 10_000, Metrics::new());
+    let twenty = BucketWriter::new(store, 20, 10_000, Metrics::new());
+    tokio::join!(
+        run(ten, of_partition(0), 1),
+        run(twenty, of_partition(1), 4)
+    );
+
+    let buckets = buckets_of(&env, customer).await;
+    let caps: Vec<i64> = buckets.iter().map(|b| int(b, "cap")).collect();
+    let counts: Vec<i64> = buckets.iter().map(|b| int(b, "count")).collect();
+    let (newest, older) = counts.split_last().unwrap();
+    assert_eq!(
+        older,
+        &caps[..caps.len() - 1],
+        "counts {counts:?} caps {caps:?}"
+    );
+    assert!(*newest <= caps[caps.len() - 1]);
+    assert!(caps.contains(&10) && caps.contains(&20), "caps {caps:?}");
+    assert_eq!(counts.iter().sum::<i64>(), 300);
+    // Per partition, page order is stream order.
+    let keys: Vec<String> = buckets.iter().flat_map(keys_of).collect();
+    for p in 0..2 {
+        let expected: Vec<String> = of_partition(p).into_iter().map(|(t, _)| t.key).collect();
+        let stored: Vec<String> = keys
+            .iter()
+            .filter(|k| expected.contains(k))
+            .cloned()
+            .collect();
+        assert_eq!(stored, expected, "partition {p}");
+    }
+    audit_clean(&env, 10).await;
+    env.cleanup().await;
+}
