@@ -266,6 +266,21 @@ impl TestEnv {
             .expect("MongoDB client")
     }
 
+    /// Creates the bucket collection with a validator that refuses any
+    /// bucket holding a trade with `ticker`: a stand-in for any refusal of
+    /// a document's data.
+    pub async fn refuse_ticker(&self, ticker: &str) {
+        self.store()
+            .await
+            .client()
+            .database(&self.db)
+            .run_command(
+                doc! {"create": "trades", "validator": {"history.ticker": {"$ne": ticker}}},
+            )
+            .await
+            .expect("create the collection with a validator");
+    }
+
     /// Produces messages one at a time, in order, and returns each one's
     /// (partition, offset).
     pub async fn produce(&self, messages: &[Produced]) -> Vec<(i32, i64)> {

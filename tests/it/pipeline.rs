@@ -618,15 +618,7 @@ async fn a_broker_crash_and_restart_heals_without_loss_or_duplicates() {
 #[tokio::test]
 async fn a_write_mongodb_refuses_dead_letters_only_the_offending_events() {
     let env = TestEnv::new("refused", 1).await;
-    // A collection validator stands in for any permanent per-document
-    // refusal: trades with ticker BAD are refused by the server.
-    let store = env.store().await;
-    store
-        .client()
-        .database(&env.db)
-        .run_command(doc! {"create": "trades", "validator": {"history.ticker": {"$ne": "BAD"}}})
-        .await
-        .unwrap();
+    env.refuse_ticker("BAD").await;
     let mut events = stream(81, 60, 2);
     for i in [5, 6, 31, 59] {
         events[i]["ticker"] = json!("BAD");

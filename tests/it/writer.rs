@@ -194,17 +194,9 @@ async fn offsets_going_backwards(sharded: bool) {
 /// a write per remaining event (thousands here).
 #[tokio::test]
 async fn a_refused_event_among_twenty_thousand_costs_a_logarithmic_number_of_writes() {
-    use mongodb::bson::doc;
     let env = TestEnv::new("writer-halving", 1).await;
+    env.refuse_ticker("BAD").await;
     let store = env.store().await;
-    // A collection validator stands in for any refusal of a document's
-    // data: a bucket holding a trade with ticker BAD is refused.
-    store
-        .client()
-        .database(&env.db)
-        .run_command(doc! {"create": "trades", "validator": {"history.ticker": {"$ne": "BAD"}}})
-        .await
-        .expect("create with validator");
     store.init().await.expect("indexes");
     let metrics = Metrics::new();
     let mut writer = BucketWriter::new(store, 1000, 10_000, metrics.clone());
