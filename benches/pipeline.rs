@@ -526,7 +526,6 @@ async fn run_worker(
     let ends = end_offsets(&s, &t.topic)?;
     let started = Instant::now();
     let mut child = t.spawn_worker();
-    let pid = child.id();
     let metrics_url = format!("http://127.0.0.1:{port}/metrics");
     let checker = kafka_consumer(&s, &t.group)?;
     let store = BucketStore::connect(&s).await?;
@@ -547,7 +546,7 @@ async fn run_worker(
                 phase,
                 seconds: started.elapsed().as_secs_f64(),
                 written: w,
-                rss_mib: proc_status_kib(pid, "VmRSS:").unwrap_or(0) as f64 / 1024.0,
+                rss_mib: child.status_kib("VmRSS:").unwrap_or(0) as f64 / 1024.0,
             });
         }
         // Commits come after durable writes, so once they reach the end
@@ -562,7 +561,7 @@ async fn run_worker(
         stored == expected_total,
         "offsets committed to the end but {stored} trades stored, expected {expected_total}"
     );
-    let peak_rss_mib = proc_status_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
+    let peak_rss_mib = child.status_kib("VmHWM:").unwrap_or(0) as f64 / 1024.0;
     stop(child)?;
     let events = expected_total;
     Ok(WorkerRun {
@@ -731,17 +730,6 @@ fn quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
         prev = (le, count);
     }
     prev.0
-}
-
-fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix(field))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
 }
 
 fn cpu_model() -> String {

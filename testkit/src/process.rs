@@ -103,6 +103,20 @@ impl WorkerProcess {
         self.child.id()
     }
 
+    /// A memory figure of the running process from `/proc/PID/status`, in
+    /// KiB: `"VmRSS:"` (resident now) or `"VmHWM:"` (the peak resident
+    /// size since it started). `None` once it has exited.
+    pub fn status_kib(&self, field: &str) -> Option<u64> {
+        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix(field))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    }
+
     /// Its exit status if it has exited (without waiting).
     pub fn exited(&mut self) -> Option<ExitStatus> {
         self.child.try_wait().expect("try_wait")

@@ -913,3 +913,84 @@ async fn a_statement_failed_with_a_transient_code_is_retried_not_dead_lettered()
     audit_clean(&env, 100).await;
     env.cleanup().await;
 }
+
+/// The worker's documented memory base (docs/operations.md, "Sizing"):
+/// its peak RSS storing this test's 20,000 trades without header bytes
+/// (72 to 75 MiB measured, test build), rounded up to 75, plus the 16 MiB
+/// prefetch queue.
+const BASE_MIB: u64 = 75 + 16;
+/// Issue #14's figures: 20,000 records with 8 KiB of headers each, 160 MiB
+/// of headers in all, ten times the batch bound.
+const HEADED_RECORDS: usize = 20_000;
+const HEADER_BYTES: usize = 8 * 1024;
+
+/// Records whose headers dwarf their payloads. Before the batch bound
+/// counted headers, a batch of 20,000 of them held 160 MiB the bound never
+/// saw (peak 234 to 245 MiB here); and librdkafka's prefetch queue, which
+/// counts payloads only, read the topic far ahead (147 MiB). Memory is
+/// asserted, not time; the figure is printed for the suite's log.
+#[tokio::test]
+async fn large_headers_keep_peak_memory_within_the_batch_bound_plus_the_base() {
+    // 32 partitions: the local broker sizes a fetch response by keys and
+    // values only, so with a few partitions one response carried a whole
+    // partition's headers (about 40 MiB at 4); Apache Kafka caps it at 1 MiB
+    // a partition. At 32 a local response is about 5 MiB.
+    let env = TestEnv::new("rss-headers", 32).await;
+    let messages = headed_trades(HEADED_RECORDS, HEADER_BYTES);
+    produce_fast(&env.kafka, &env.topic, &messages).await;
+    // A linger long enough that batches close on their bounds, as they do
+    // over a backlog, not on time: with the tests' 20 ms linger, batches
+    // closed early and the run without header counting stayed at 85 MiB.
+    let vars = env.vars(&[("TRADEBUCKET__BATCH__LINGER", "3s")]);
+    let peak_kib = peak_rss_kib(&env, &vars).await;
+    assert_eq!(audit_clean(&env, 10).await.trades, HEADED_RECORDS as u64);
+    let max_bytes = env.settings(&[]).batch.max_bytes as u64;
+    let bound_kib = BASE_MIB * 1024 + max_bytes / 1024;
+    eprintln!(
+        "peak RSS {:.1} MiB with {HEADED_RECORDS} records of {HEADER_BYTES} header bytes \
+         (bound: base {BASE_MIB} MiB + batch.max_bytes {} MiB)",
+        peak_kib as f64 / 1024.0,
+        max_bytes >> 20
+    );
+    assert!(
+        peak_kib <= bound_kib,
+        "peak RSS {peak_kib} KiB > {bound_kib} KiB"
+    );
+    env.cleanup().await;
+}
+
+/// `n` valid trades over 64 customers, keyed by customer, each carrying
+/// `header_bytes` of random bytes in four headers (random, so no codec
+/// shrinks them on the way).
+fn headed_trades(n: usize, header_bytes: usize) -> Vec<Produced> {
+    let mut rng = StdRng::seed_from_u64(14);
+    (0..n)
+        .map(|i| {
+            let customer = (i % 64) as i64;
+            let raw_headers = (0..4)
+                .map(|h| {
+                    let mut value = vec![0u8; header_bytes / 4];
+                    rng.fill(&mut value[..]);
+                    (format!("h{h}").into_bytes(), Some(value))
+                })
+                .collect();
+            Produced {
+                key: Some(customer.to_string()),
+                payload: Some(trade(format!("rss-{i}")).customer(customer).payload()),
+                raw_headers,
+                ..Produced::default()
+            }
+        })
+        .collect()
+}
+
+/// Runs the worker binary with `vars` until the group has committed every
+/// partition to its end, and returns its peak RSS (KiB) read just before
+/// it is stopped; it must then drain and exit 0.
+async fn peak_rss_kib(env: &TestEnv, vars: &BTreeMap<String, String>) -> u64 {
+    let worker = WorkerProcess::start(bin(), vars, Log::Quiet);
+    env.wait_committed_to_end(Duration::from_secs(300)).await;
+    let peak = worker.status_kib("VmHWM:").expect("the worker is running");
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    peak
+}
