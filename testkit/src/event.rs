@@ -139,6 +139,25 @@ impl TradeEvent {
     }
 }
 
+/// `payload` decoded as the worker decodes it, read at `offset` of
+/// partition 0 of `topic`, for tests that drive the bucket writer
+/// directly; panics if the decoder rejects it.
+pub fn decoded(
+    payload: &[u8],
+    topic: &str,
+    offset: i64,
+    max_message_bytes: usize,
+) -> (tradebucket::event::Trade, tradebucket::event::Source) {
+    let source = tradebucket::event::Source {
+        topic: topic.to_string(),
+        partition: 0,
+        offset,
+    };
+    let trade = tradebucket::event::decode(Some(payload), &source, max_message_bytes)
+        .unwrap_or_else(|r| panic!("test event at offset {offset} rejected: {r:?}"));
+    (trade, source)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -35,7 +35,7 @@ pub use env::{
     admin, audit_clean, create_topic, header, headers_of, kafka_brokers, mongodb_uri, produce_fast,
     produce_fast_with, unique, Produced, TestEnv,
 };
-pub use event::{trade, TradeEvent};
+pub use event::{decoded, trade, TradeEvent};
 pub use poll::{eventually, poll_until};
 pub use process::{audit_json, Fleet, Log, WorkerProcess};
 pub use proxy::MongoProxy;

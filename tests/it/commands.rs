@@ -19,7 +19,7 @@ use tradebucket::bucket::store::{BucketStore, InitError, ShardState};
 use tradebucket::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use tradebucket::cli::AuditReport;
 use tradebucket::config::Settings;
-use tradebucket::event::{decode, CustomerId, RejectKind, Source, Trade};
+use tradebucket::event::{CustomerId, RejectKind, Source, Trade};
 use tradebucket::metrics::Metrics;
 
 use crate::bin;
@@ -77,19 +77,12 @@ async fn discovered_uri(direct: &str) -> Option<String> {
 }
 
 fn event(id: &str, customer: Value, offset: i64, topic: &str) -> (Trade, Source) {
-    let source = Source {
-        topic: topic.to_string(),
-        partition: 0,
-        offset,
-    };
     let payload = trade(id)
         .customer(customer)
         .qty(1)
         .date(1_700_000_000_000i64 + offset * 1000)
         .payload();
-    let trade = decode(Some(&payload), &source, 1 << 20)
-        .unwrap_or_else(|r| panic!("test event {id} rejected: {r:?}"));
-    (trade, source)
+    decoded(&payload, topic, offset, 1 << 20)
 }
 
 async fn write(

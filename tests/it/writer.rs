@@ -6,7 +6,7 @@ use testkit::*;
 use tradebucket::bucket::store::BucketStore;
 use tradebucket::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use tradebucket::cli::AuditReport;
-use tradebucket::event::{decode, Source, Trade};
+use tradebucket::event::{Source, Trade};
 use tradebucket::metrics::Metrics;
 
 const CAPACITY: u32 = 4;
@@ -40,11 +40,6 @@ async fn audit_mode_clean(env: &TestEnv, sharded: bool) -> AuditReport {
 }
 
 fn event(id: &str, customer: i64, offset: i64, topic: &str) -> (Trade, Source) {
-    let source = Source {
-        topic: topic.to_string(),
-        partition: 0,
-        offset,
-    };
     let payload = trade(id)
         .customer(customer)
         .qty(1)
@@ -52,9 +47,7 @@ fn event(id: &str, customer: i64, offset: i64, topic: &str) -> (Trade, Source) {
         .no_currency()
         .date(1_700_000_000_000i64 + offset * 1000)
         .payload();
-    let trade = decode(Some(&payload), &source, 1 << 20)
-        .unwrap_or_else(|r| panic!("test event {id} rejected: {r:?}"));
-    (trade, source)
+    decoded(&payload, topic, offset, 1 << 20)
 }
 
 /// Upstream duplicates of trades in a customer's *older* bucket are only
@@ -243,17 +236,12 @@ async fn a_refused_event_among_twenty_thousand_costs_a_logarithmic_number_of_wri
 }
 
 fn bad_event(id: &str, offset: i64, topic: &str) -> (Trade, Source) {
-    let source = Source {
-        topic: topic.to_string(),
-        partition: 0,
-        offset,
-    };
     let payload = trade(id)
         .customer(1)
         .ticker("BAD")
         .date(1_700_000_000_000i64 + offset * 1000)
         .payload();
-    (decode(Some(&payload), &source, 1 << 20).unwrap(), source)
+    decoded(&payload, topic, offset, 1 << 20)
 }
 
 /// A fill command's reply gives only the number of guards that matched.
@@ -294,20 +282,13 @@ async fn write_all(w: &mut BucketWriter, batch: Vec<(Trade, Source)>) -> WriteSt
 /// A trade whose `legs` extra holds `n` zeros: 2 bytes an element in
 /// JSON, about 12 in BSON (type, index digits, NUL, int32).
 fn heavy_event(id: &str, customer: i64, offset: i64, topic: &str, legs: usize) -> (Trade, Source) {
-    let source = Source {
-        topic: topic.to_string(),
-        partition: 0,
-        offset,
-    };
     let mut json = trade(id)
         .customer(customer)
         .date(1_700_000_000_000i64 + offset * 1000)
         .json();
     json["legs"] = serde_json::Value::Array(vec![0.into(); legs]);
     let payload = json.to_string().into_bytes();
-    let trade = decode(Some(&payload), &source, 16 << 20)
-        .unwrap_or_else(|r| panic!("test event {id} rejected: {r:?}"));
-    (trade, source)
+    decoded(&payload, topic, offset, 16 << 20)
 }
 
 /// The buckets whose `_id` starts with `<customer>_`, in page order.
