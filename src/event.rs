@@ -218,7 +218,8 @@ impl Source {
 /// A valid trade, ready to be appended to its customer's bucket.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Trade {
-    /// The dedup identity: `t:<tradeId>` or `o:<topic>/<partition>/<offset>`.
+    /// The dedup identity: `t:<tradeId>`, `o:<topic>/<partition>/<offset>`,
+    /// or for a replayed dead letter `r:<its original position>`.
     /// Stored as `history.key` under a unique index.
     pub key: String,
     pub customer: CustomerId,
@@ -249,12 +250,43 @@ const DERIVED_FIELDS: [&str; 2] = ["key", "offsetMinutes"];
 
 /// Decodes one payload. `max_bytes` is `kafka.max_message_bytes`.
 pub fn decode(payload: Option<&[u8]>, source: &Source, max_bytes: usize) -> Result<Trade, Reject> {
+    decode_as(payload, Identity::Read(source), max_bytes)
+}
+
+/// Where a trade without `tradeId` takes its identity from.
+#[derive(Debug, Clone, Copy)]
+pub enum Identity<'a> {
+    /// The position it was read at: `o:<topic>/<partition>/<offset>`.
+    Read(&'a Source),
+    /// The original position of a replayed dead letter (header
+    /// `tradebucket.replay.of`): `r:<topic>/<partition>/<offset>`, a
+    /// namespace of its own, so that a forged header can never take the
+    /// identity of an event read normally.
+    ReplayOf(&'a Source),
+}
+
+impl Identity<'_> {
+    fn key(self) -> String {
+        let (ns, s) = match self {
+            Identity::Read(s) => ("o", s),
+            Identity::ReplayOf(s) => ("r", s),
+        };
+        format!("{ns}:{}/{}/{}", s.topic, s.partition, s.offset)
+    }
+}
+
+/// [`decode`], with the identity of a trade without `tradeId` given.
+pub fn decode_as(
+    payload: Option<&[u8]>,
+    identity: Identity<'_>,
+    max_bytes: usize,
+) -> Result<Trade, Reject> {
     let text = payload_text(payload, max_bytes)?;
     let mut fields = TradeFields::default();
     for (name, raw) in &parse_object(text)? {
         fields.read(name, raw.get())?;
     }
-    fields.into_trade(source)
+    fields.into_trade(identity)
 }
 
 /// The payload as text, if it is present, within the limit and UTF-8.
@@ -327,7 +359,7 @@ impl TradeFields {
     }
 
     /// The trade, once every required field is there.
-    fn into_trade(self, source: &Source) -> Result<Trade, Reject> {
+    fn into_trade(self, identity: Identity<'_>) -> Result<Trade, Reject> {
         let missing = |f: &str| Reject::new(RejectKind::MissingField, format!("{f} is required"));
         let customer = self.customer.ok_or_else(|| missing("customerId"))?;
         let side = self.side.ok_or_else(|| missing("type"))?;
@@ -336,7 +368,7 @@ impl TradeFields {
         let (date_ms, offset_minutes) = self.date.ok_or_else(|| missing("date"))?;
         let key = match &self.trade_id {
             Some((_, text)) => format!("t:{text}"),
-            None => format!("o:{}/{}/{}", source.topic, source.partition, source.offset),
+            None => identity.key(),
         };
         let mut doc = Document::new();
         if let Some((value, _)) = self.trade_id {

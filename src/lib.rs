@@ -14,6 +14,9 @@
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`metrics`]: every metric, defined once.
 //! - [`throttle`]: rate limit for log lines on hot paths.
+//! - [`ratelimit`]: the write-rate limit (events per second), pure.
+//! - [`dlq`]: `tradebucket dlq list|show|replay`: reading and replaying
+//!   the dead-letter topic.
 //! - [`cli`]: the operator commands besides `run` (init, page, audit,
 //!   produce, check-config).
 //!
@@ -22,6 +25,7 @@
 pub mod bucket;
 pub mod cli;
 pub mod config;
+pub mod dlq;
 pub mod event;
 pub mod health;
 pub mod http;
@@ -29,5 +33,6 @@ pub mod kafka;
 pub mod metrics;
 pub mod offsets;
 pub mod pipeline;
+pub mod ratelimit;
 pub mod retry;
 pub mod throttle;

@@ -11,6 +11,7 @@ use tracing_subscriber::EnvFilter;
 
 use tradebucket::cli::{self, ProduceOptions};
 use tradebucket::config::{LogFormat, Settings};
+use tradebucket::dlq::command::DlqCommand;
 use tradebucket::event::CustomerId;
 use tradebucket::pipeline;
 
@@ -60,6 +61,9 @@ enum Command {
     Produce(ProduceOptions),
     /// Print the effective configuration (secrets redacted); exits 64 if invalid.
     CheckConfig,
+    /// Read and replay the dead-letter topic.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
 }
 
 fn init_logging(settings: &Settings) {
@@ -196,6 +200,11 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
                 opts.customers,
                 sent as f64 / secs.max(1e-9)
             );
+        }
+        Command::Dlq(command) => {
+            if !tradebucket::dlq::command::execute(&settings, command).await? {
+                return Ok(ExitCode::FAILURE);
+            }
         }
         Command::CheckConfig => unreachable!("handled before logging starts"),
     }

@@ -5,7 +5,7 @@
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Counter, Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -70,6 +70,12 @@ const REBALANCES_TOTAL: Def = (
     "Consumer-group rebalance events, by kind.",
 );
 
+// Operator tools (issue #16): the write-rate limit's waiting.
+const THROTTLED_SECONDS_TOTAL: Def = (
+    "tradebucket_throttled_seconds_total",
+    "Seconds the worker waited before writing because of rate_limit.events_per_second (consumption paused meanwhile).",
+);
+
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
@@ -102,6 +108,8 @@ pub struct Metrics {
     /// 1 when `/readyz` answers 200; set at each scrape, so alerts see
     /// exactly what the probe sees.
     pub ready: IntGauge,
+    /// Time spent waiting for the write-rate limit.
+    pub throttled_seconds: Counter,
 }
 
 impl Metrics {
@@ -165,6 +173,10 @@ impl Metrics {
             assigned_partitions: gauge(&r, ASSIGNED_PARTITIONS),
             stalled_partitions: gauge(&r, STALLED_PARTITIONS),
             ready: gauge(&r, READY),
+            throttled_seconds: register(
+                &r,
+                Counter::new(THROTTLED_SECONDS_TOTAL.0, THROTTLED_SECONDS_TOTAL.1),
+            ),
             registry: r,
         };
         let build_info: IntGaugeVec = register(
@@ -181,6 +193,14 @@ impl Metrics {
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
         m.precreate_series();
+        // The standard process_* series (resident memory, CPU seconds,
+        // open fds), read from /proc at each scrape; Linux only.
+        #[cfg(target_os = "linux")]
+        m.registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("process metric names are unique");
         m
     }
 

@@ -49,6 +49,8 @@ pub struct Settings {
     pub buckets: BucketSettings,
     /// When a batch of consumed events is written.
     pub batch: BatchSettings,
+    /// How fast trades may be written (backfills that spare the primary).
+    pub rate_limit: RateLimitSettings,
     /// How transient failures are retried.
     pub retry: RetrySettings,
     /// Time limits and check intervals of the network clients and probes.
@@ -194,6 +196,15 @@ pub struct BatchSettings {
     /// ...or when this long has passed since its first event.
     #[serde(with = "humantime_serde")]
     pub linger: Duration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitSettings {
+    /// Trades written per second at most, per instance; 0 is no limit.
+    /// Over it the worker waits before a batch (consumption pauses, lag
+    /// grows): nothing is dropped.
+    pub events_per_second: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

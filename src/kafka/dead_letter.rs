@@ -16,7 +16,75 @@ use super::{
     H_ERROR_KIND, H_ERROR_MESSAGE, H_PAYLOAD_LENGTH, H_PAYLOAD_SHA256, H_SHORTENED,
     H_SOURCE_OFFSET, H_SOURCE_PARTITION, H_SOURCE_TOPIC,
 };
-use crate::event::Reject;
+use crate::event::{Reject, RejectKind, Source};
+
+/// The original position of a replayed dead letter, `<topic>/<partition>/<offset>`:
+/// `tradebucket dlq replay` sets it, the worker takes a trade without
+/// `tradeId` to be `r:<that position>` (never an `o:` or `t:` key, so a
+/// forged one cannot touch a normally consumed trade), and a dead letter of
+/// a replayed event carries it on, so a later replay is the same trade.
+pub const H_REPLAY_OF: &str = "tradebucket.replay.of";
+
+/// The longest legal Kafka topic name.
+const MAX_TOPIC_LEN: usize = 249;
+
+/// The replay identity in `headers`: `None` without [`H_REPLAY_OF`], an
+/// `invalid_field` rejection for a malformed one (twice, null, not
+/// UTF-8, not `<legal topic>/<partition>/<offset>` in canonical decimals),
+/// so a replay whose identity is lost is dead-lettered, not stored under a
+/// new one (which a second replay would store again).
+pub fn replay_origin(headers: &[Header]) -> Result<Option<Source>, Reject> {
+    let mut found = headers
+        .iter()
+        .filter(|(name, _)| name == H_REPLAY_OF.as_bytes());
+    let Some((_, value)) = found.next() else {
+        return Ok(None);
+    };
+    let bad = |why: &str| {
+        Reject::new(
+            RejectKind::InvalidField,
+            format!("header {H_REPLAY_OF}: {why}"),
+        )
+    };
+    if found.next().is_some() {
+        return Err(bad("appears more than once"));
+    }
+    let value = value.as_deref().ok_or_else(|| bad("is null"))?;
+    let text = std::str::from_utf8(value).map_err(|_| bad("is not UTF-8"))?;
+    parse_position(text)
+        .map(Some)
+        .ok_or_else(|| bad("is not <topic>/<partition>/<offset>"))
+}
+
+/// `<topic>/<partition>/<offset>`: a legal topic name (which has no `/`),
+/// and two non-negative decimals without sign or leading zeros, so each
+/// position has exactly one spelling.
+fn parse_position(text: &str) -> Option<Source> {
+    let mut parts = text.split('/');
+    let (topic, partition, offset) = (parts.next()?, parts.next()?, parts.next()?);
+    let legal = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    let topic_ok = !topic.is_empty()
+        && topic.len() <= MAX_TOPIC_LEN
+        && topic != "."
+        && topic != ".."
+        && topic.chars().all(legal);
+    let canonical = |n: &str| {
+        !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && (n == "0" || !n.starts_with('0'))
+    };
+    if parts.next().is_some() || !topic_ok || !canonical(partition) || !canonical(offset) {
+        return None;
+    }
+    Some(Source {
+        topic: topic.to_string(),
+        partition: partition.parse().ok()?,
+        offset: offset.parse().ok()?,
+    })
+}
+
+/// How [`H_REPLAY_OF`] spells `origin`.
+pub fn position_text(origin: &Source) -> String {
+    format!("{}/{}/{}", origin.topic, origin.partition, origin.offset)
+}
 
 /// How much of the payload, and of the key, a shortened dead letter keeps.
 const KEPT_BYTES: usize = 1024;
@@ -127,6 +195,13 @@ fn dead_letter_headers(dl: &DeadLetter) -> OwnedHeaders {
     }
     let partition = dl.partition.to_string();
     let offset = dl.offset.to_string();
+    // A replayed event keeps its first position's identity through every
+    // later dead letter; only a well-formed one is carried on (a malformed
+    // one is why this record is here).
+    if let Ok(Some(origin)) = replay_origin(&dl.headers) {
+        let text = position_text(&origin);
+        headers::add(&mut out, H_REPLAY_OF.as_bytes(), Some(text.as_bytes()));
+    }
     for (name, value) in [
         (H_ERROR_KIND, dl.reject.kind.as_str()),
         (H_ERROR_MESSAGE, dl.reject.message.as_str()),
@@ -183,6 +258,31 @@ mod tests {
         assert_eq!(text("trace-id"), vec![b"abc".to_vec()]);
         // A NUL in a name: librdkafka's API cuts it there (see `headers`).
         assert!(out.contains(&(vec![0xff], Some(vec![0xfe]))), "{out:?}");
+    }
+
+    #[test]
+    fn a_valid_replay_identity_is_carried_on_and_a_malformed_one_dropped() {
+        use crate::event::RejectKind;
+        let ours = |replay_of: &[u8]| {
+            let dl = DeadLetter {
+                topic: "trades".into(),
+                partition: 0,
+                offset: 900,
+                key: None,
+                payload: None,
+                headers: vec![(H_REPLAY_OF.as_bytes().to_vec(), Some(replay_of.to_vec()))],
+                reject: Reject::new(RejectKind::InvalidField, "bad"),
+                shortened: None,
+            };
+            headers::read(Some(dead_letter_headers(&dl).as_borrowed()))
+                .into_iter()
+                .filter(|(n, _)| n == H_REPLAY_OF.as_bytes())
+                .filter_map(|(_, v)| v)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(ours(b"trades/1/41"), vec![b"trades/1/41".to_vec()]);
+        assert!(ours(b"trades/1/041").is_empty());
+        assert!(ours(b"forged").is_empty());
     }
 
     #[test]

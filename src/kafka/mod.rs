@@ -35,7 +35,9 @@ mod dead_letter;
 pub mod headers;
 pub mod stall;
 
-pub use dead_letter::{send_dead_letter, DeadLetter, OUR_HEADER_PREFIX};
+pub use dead_letter::{
+    position_text, replay_origin, send_dead_letter, DeadLetter, H_REPLAY_OF, OUR_HEADER_PREFIX,
+};
 use stall::{Observed, StallWatch};
 
 /// Header names on dead-letter records.

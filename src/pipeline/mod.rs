@@ -39,11 +39,12 @@ use seams::{BucketSink, DeadLetterSink, Intake};
 use crate::bucket::store::{BucketStore, InitError, StoreError};
 use crate::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use crate::config::{OffsetReset, Settings};
-use crate::event::{self, Reject, Source, Trade};
+use crate::event::{self, Identity, Reject, Source, Trade};
 use crate::health::{now_ms, Health};
 use crate::kafka::{self, DeadLetter, GroupEvent};
 use crate::metrics::Metrics;
 use crate::offsets::{OffsetTracker, TopicPartition};
+use crate::ratelimit::RateLimit;
 use crate::retry::Backoff;
 use crate::throttle::Throttle;
 
@@ -178,6 +179,8 @@ pub(crate) struct Worker<I, B, D> {
     /// A fatal consumer error: the loop ends after the batch in hand.
     fatal: Option<String>,
     consumer_error_log: Throttle,
+    /// `rate_limit.events_per_second`: waited out before each write.
+    rate_limit: RateLimit,
 }
 
 /// A batch's events after decoding.
@@ -199,6 +202,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         health: Arc<Health>,
     ) -> Self {
         Worker {
+            rate_limit: RateLimit::new(settings.rate_limit.events_per_second),
             settings,
             intake,
             buckets,
@@ -291,7 +295,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             }
             self.apply_group_events();
             let limits = &self.settings.batch;
-            if batch.len() >= limits.max_events || bytes >= limits.max_bytes {
+            // Under a rate limit a batch holds one second of it at most.
+            let max_events = self.rate_limit.batch_cap(limits.max_events);
+            if batch.len() >= max_events || bytes >= limits.max_bytes {
                 break;
             }
         }
@@ -376,6 +382,15 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             record_of,
             mut dead,
         } = decode_batch(&batch, self.settings.kafka.max_message_bytes);
+        // The write-rate limit: wait (ticking liveness, not polling: the
+        // batch cap keeps this to about a second) before writing.
+        let wait = self
+            .rate_limit
+            .reserve(events.len(), tokio::time::Instant::now());
+        if !wait.is_zero() {
+            ticking(&self.health, tokio::time::sleep(wait)).await;
+            self.metrics.throttled_seconds.inc_by(wait.as_secs_f64());
+        }
         let (outcomes, stats) = self.write_until_done(&events).await;
         let mut counts = OutcomeCounts::default();
         for (j, outcome) in outcomes.into_iter().enumerate() {
@@ -580,7 +595,15 @@ fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
             partition: r.tp.1,
             offset: r.offset,
         };
-        match event::decode(r.payload.as_deref(), &source, max_bytes) {
+        // A replayed dead letter keeps its original identity; `source`
+        // (its real position) stays the watermark key.
+        let decoded = kafka::replay_origin(&r.headers).and_then(|origin| {
+            let identity = origin
+                .as_ref()
+                .map_or(Identity::Read(&source), Identity::ReplayOf);
+            event::decode_as(r.payload.as_deref(), identity, max_bytes)
+        });
+        match decoded {
             Ok(trade) => {
                 d.events.push((trade, source));
                 d.record_of.push(i);

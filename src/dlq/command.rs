@@ -1,0 +1,189 @@
+//! The `dlq` subcommands' flags and what each prints. `main` only hands
+//! them the settings.
+
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use super::io::{self, DlqError};
+use super::{Filter, LetterView, Listing};
+use crate::config::Settings;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum DlqCommand {
+    /// Count and list dead letters: a summary by error kind, then one line each.
+    List {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: Filter,
+        /// List at most this many (0: all); the counts cover every match.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Print one JSON object: scanned, matched, by_kind, letters.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print one dead letter: its headers decoded, key and payload.
+    Show {
+        #[command(flatten)]
+        target: Target,
+        /// The dead letter, as PARTITION:OFFSET of the dead-letter topic.
+        #[arg(value_parser = super::parse_at)]
+        at: (i32, i64),
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put the selected dead letters back on their source topics, with
+    /// their original key and headers; replaying one twice stores it once.
+    Replay {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: Filter,
+        /// Replay every dead letter of the topic (required when no filter is given).
+        #[arg(long)]
+        all: bool,
+        /// Records per second at most; 0 is as fast as the broker takes them.
+        #[arg(long, default_value_t = 100)]
+        rate: u64,
+        /// Print what would be replayed; send nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// Which dead-letter topic, and how long reading it may take.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Target {
+    /// The dead-letter topic; default: that of the first of kafka.topics.
+    #[arg(long)]
+    pub topic: Option<String>,
+    /// Fail if the topic is not read to its end offsets within this long.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+impl Target {
+    fn topic(&self, settings: &Settings) -> String {
+        self.topic
+            .clone()
+            .unwrap_or_else(|| io::default_topics(settings).remove(0))
+    }
+}
+
+/// Runs one `dlq` subcommand; `Ok(false)` when it found nothing to act
+/// on where the operator expected something (exit 1).
+pub async fn execute(settings: &Settings, command: DlqCommand) -> Result<bool, DlqError> {
+    match command {
+        DlqCommand::List {
+            target,
+            filter,
+            limit,
+            json,
+        } => list(settings, &target, &filter, limit, json),
+        DlqCommand::Show { target, at, json } => {
+            let topic = target.topic(settings);
+            let letter = io::read_one(settings, &topic, at.0, at.1, target.timeout)?;
+            let view = LetterView::of(&letter);
+            if json {
+                println!("{}", serde_json::to_string(&view).expect("plain data"));
+            } else {
+                print!("{}", view.detail());
+            }
+            Ok(true)
+        }
+        DlqCommand::Replay {
+            target,
+            filter,
+            all,
+            rate,
+            dry_run,
+        } => replay(settings, &target, &filter, all, rate, dry_run).await,
+    }
+}
+
+fn list(
+    settings: &Settings,
+    target: &Target,
+    filter: &Filter,
+    limit: usize,
+    json: bool,
+) -> Result<bool, DlqError> {
+    let topic = target.topic(settings);
+    let mut listing = Listing::default();
+    io::read_topic(settings, &topic, target.timeout, |l| {
+        listing.add(&l, filter, limit)
+    })?;
+    if json {
+        println!("{}", serde_json::to_string(&listing).expect("plain data"));
+        return Ok(true);
+    }
+    println!(
+        "{topic}: {} dead letters, {} matched",
+        listing.scanned, listing.matched
+    );
+    for (kind, n) in &listing.by_kind {
+        println!("  {kind:<24} {n}");
+    }
+    for v in &listing.letters {
+        println!("{}", v.line());
+    }
+    if (listing.letters.len() as u64) < listing.matched {
+        println!(
+            "... {} more (--limit)",
+            listing.matched - listing.letters.len() as u64
+        );
+    }
+    Ok(true)
+}
+
+async fn replay(
+    settings: &Settings,
+    target: &Target,
+    filter: &Filter,
+    all: bool,
+    rate: u64,
+    dry_run: bool,
+) -> Result<bool, DlqError> {
+    if filter.is_empty() && !all {
+        return Err(DlqError::Refused(
+            "no dead letters selected: give a filter (--kind, --at, ...) or --all".into(),
+        ));
+    }
+    let topic = target.topic(settings);
+    let chosen = io::select(settings, &topic, filter, target.timeout)?;
+    if chosen.is_empty() {
+        println!("no dead letter of {topic} matches");
+        return Ok(false);
+    }
+    if dry_run {
+        for (l, r) in &chosen {
+            println!(
+                "would replay {}:{} to {} as {}",
+                l.partition,
+                l.offset,
+                r.topic,
+                crate::kafka::position_text(&r.identity)
+            );
+        }
+        println!("dry run: {} dead letters, nothing sent", chosen.len());
+        return Ok(true);
+    }
+    let bar = if std::io::stderr().is_terminal() {
+        let bar = indicatif::ProgressBar::new(chosen.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} replayed  {per_sec}  eta {eta}",
+            )
+            .expect("a valid template"),
+        );
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let replays: Vec<_> = chosen.into_iter().map(|(_, r)| r).collect();
+    let sent = io::replay(settings, &replays, rate, &bar).await?;
+    bar.finish_and_clear();
+    println!("replayed {sent} dead letters of {topic}");
+    Ok(true)
+}
