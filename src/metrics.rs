@@ -270,3 +270,58 @@ impl Default for Metrics {
         Self::new()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every series name the dashboard and the alerts query is in what
+    /// `/metrics` renders (scripts/check-deploy checks the same from the
+    /// sources), the process_* ones included.
+    #[test]
+    fn the_exposition_has_every_metric_the_dashboard_and_alerts_use() {
+        let m = Metrics::new();
+        m.throttled_seconds.inc_by(0.5);
+        // Labelled series appear once a label value is used.
+        m.consumer_lag.with_label_values(&["trades", "0"]).set(0);
+        m.mongodb_write_duration
+            .with_label_values(&["load"])
+            .observe(0.0);
+        m.rebalances.with_label_values(&["assigned"]).inc();
+        let text = m.render();
+        let exposed: std::collections::BTreeSet<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        for name in [
+            "process_resident_memory_bytes",
+            "process_cpu_seconds_total",
+            "process_open_fds",
+            "process_max_fds",
+            "tradebucket_throttled_seconds_total",
+        ] {
+            assert!(exposed.contains(name), "{name} not in {exposed:?}");
+        }
+        let root = env!("CARGO_MANIFEST_DIR");
+        for file in [
+            "deploy/grafana/dashboards/tradebucket.json",
+            "deploy/prometheus/alerts.yml",
+        ] {
+            let used = std::fs::read_to_string(format!("{root}/{file}")).unwrap();
+            for word in used.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if !(word.starts_with("tradebucket_") || word.starts_with("process_")) {
+                    continue;
+                }
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| word.strip_suffix(s))
+                    .unwrap_or(word);
+                assert!(
+                    exposed.contains(word) || exposed.contains(base),
+                    "{file} uses {word}, which /metrics does not have"
+                );
+            }
+        }
+    }
+}

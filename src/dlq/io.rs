@@ -66,7 +66,7 @@ pub fn read_topic(
     timeout: Duration,
     mut each: impl FnMut(Letter),
 ) -> Result<(), DlqError> {
-    let client = kafka::end_offsets_client(settings)?;
+    let client = reader(settings)?;
     let pending = ranges(&client, topic)?;
     let mut assignment = TopicPartitionList::new();
     for (&p, &(low, _)) in &pending {
@@ -101,6 +101,14 @@ pub fn read_topic(
         }
     }
     Ok(())
+}
+
+/// A client that reads assigned partitions and commits nothing; its group
+/// is never joined (the worker's group plus a suffix, for the broker's
+/// access rules).
+fn reader(settings: &Settings) -> Result<BaseConsumer<ScrubbedLogs>, DlqError> {
+    let group = format!("{}.dlq-reader", settings.kafka.group_id);
+    Ok(kafka::reader_client(settings, &group)?)
 }
 
 /// Per partition of `topic` that holds records: (first offset, end offset).
@@ -161,7 +169,7 @@ pub fn read_one(
     timeout: Duration,
 ) -> Result<Letter, DlqError> {
     let at = format!("{topic}/{partition}/{offset}");
-    let client = kafka::end_offsets_client(settings)?;
+    let client = reader(settings)?;
     let range = ranges(&client, topic)?.get(&partition).copied();
     if !range.is_some_and(|(low, end)| (low..end).contains(&offset)) {
         return Err(DlqError::NotFound(at));

@@ -439,6 +439,23 @@ pub fn end_offsets_client(settings: &Settings) -> Result<BaseConsumer<ScrubbedLo
         .map_err(|e| SetupError::new(settings, e))
 }
 
+/// A consumer for reading assigned partitions (`tradebucket dlq`): it
+/// never subscribes or commits, but librdkafka refuses to assign without a
+/// `group.id`, so it names `group` without joining it.
+pub fn reader_client(
+    settings: &Settings,
+    group: &str,
+) -> Result<BaseConsumer<ScrubbedLogs>, SetupError> {
+    let fixed = [
+        ("group.id", group.to_string()),
+        ("enable.auto.commit", "false".to_string()),
+        ("enable.auto.offset.store", "false".to_string()),
+    ];
+    client_config(settings, &[], &fixed)
+        .create_with_context(ScrubbedLogs::new(settings))
+        .map_err(|e| SetupError::new(settings, e))
+}
+
 /// The end offset (at the client's `isolation.level`: the last stable
 /// offset by default) of each of `tps`, in one ListOffsets request per
 /// broker. Partitions Kafka answered with an error are left out.
