@@ -6,6 +6,7 @@ mod dlq;
 mod ops;
 mod pipeline;
 mod plumbing;
+mod throttle;
 mod writer;
 
 /// The binary under test: only the root package's tests know its path, so

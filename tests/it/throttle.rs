@@ -1,0 +1,97 @@
+//! The write-rate limit, measured from the worker's own counters, and the
+//! process metrics as a real Prometheus scrapes them.
+
+use std::time::{Duration, Instant};
+
+use testkit::*;
+
+use crate::bin;
+
+/// A counter's value in a `/metrics` text.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+async fn scrape(listen: &str, name: &str) -> f64 {
+    let (_, body) = http_get(&format!("http://{listen}/metrics"))
+        .await
+        .expect("/metrics answers");
+    sample(&body, name).unwrap_or_else(|| panic!("{name} not in /metrics"))
+}
+
+/// With `rate_limit.events_per_second = 400` and a backlog of 40 s of it,
+/// the written counter grows at 400/s (within 10 %) over a 20 s window,
+/// the time spent throttled is counted, and nothing is dropped: every
+/// event is stored in the end. Prometheus meanwhile scrapes the process
+/// metrics.
+#[tokio::test]
+async fn the_rate_limit_holds_the_written_rate_and_prometheus_sees_process_metrics() {
+    let env = TestEnv::new("rate-limit", 2).await;
+    let (rate, total) = (400u64, 12_000u64);
+    let events: Vec<Produced> = (0..total)
+        .map(|i| Produced {
+            key: Some((i % 50).to_string()),
+            payload: Some(trade(format!("RL{i}")).customer(i % 50).payload()),
+            ..Produced::default()
+        })
+        .collect();
+    produce_fast(&env.kafka, &env.topic, &events).await;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let prometheus = Prometheus::start(&listen).await;
+    let rate_text = rate.to_string();
+    let vars = env.vars(&[
+        ("TRADEBUCKET__HTTP__LISTEN", &listen),
+        ("TRADEBUCKET__RATE_LIMIT__EVENTS_PER_SECOND", &rate_text),
+        // Small batches: the counter moves in steps of 50, not 400, so a
+        // 20 s window measures the rate to within 1 %.
+        ("TRADEBUCKET__BATCH__MAX_EVENTS", "50"),
+    ]);
+    let worker = WorkerProcess::start(bin(), &vars, Log::Quiet);
+    let written = "tradebucket_events_written_total";
+    eventually("the worker writes", Duration::from_secs(60), || async {
+        http_get(&format!("http://{listen}/metrics"))
+            .await
+            .and_then(|(_, b)| sample(&b, written))
+            .is_some_and(|n| n > 0.0)
+    })
+    .await;
+    // Past the first second's credit, then a 20 s window.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (n0, t0) = (scrape(&listen, written).await, Instant::now());
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let (n1, t1) = (scrape(&listen, written).await, Instant::now());
+    let measured = (n1 - n0) / (t1 - t0).as_secs_f64();
+    eprintln!(
+        "rate limit {rate}/s: measured {measured:.1} events/s over {:.1} s",
+        (t1 - t0).as_secs_f64()
+    );
+    assert!(
+        (measured - rate as f64).abs() <= rate as f64 * 0.10,
+        "measured {measured:.1}/s against a limit of {rate}/s"
+    );
+    let throttled = scrape(&listen, "tradebucket_throttled_seconds_total").await;
+    assert!(throttled > 5.0, "throttled {throttled} s");
+
+    // The process metrics, as Prometheus has them.
+    for (query, at_least) in [
+        ("process_resident_memory_bytes{job=\"tradebucket\"}", 1e6),
+        ("process_cpu_seconds_total{job=\"tradebucket\"}", 0.01),
+        ("process_open_fds{job=\"tradebucket\"}", 3.0),
+        (
+            "tradebucket_throttled_seconds_total{job=\"tradebucket\"}",
+            1.0,
+        ),
+    ] {
+        eventually(query, Duration::from_secs(30), || async {
+            prometheus.query(query).await.is_some_and(|v| v >= at_least)
+        })
+        .await;
+    }
+
+    // Backpressure, not loss: everything is stored once the backlog drains.
+    env.wait_committed_to_end(Duration::from_secs(90)).await;
+    assert_eq!(audit_clean(&env, 10).await.trades, total);
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
