@@ -3,10 +3,10 @@
 
 mod commands;
 mod dlq;
+mod operator;
 mod ops;
 mod pipeline;
 mod plumbing;
-mod throttle;
 mod writer;
 
 /// The binary under test: only the root package's tests know its path, so

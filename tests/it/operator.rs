@@ -1,8 +1,10 @@
-//! The write-rate limit, measured from the worker's own counters, and the
-//! process metrics as a real Prometheus scrapes them.
+//! Operator-facing features of issue #16 beyond `dlq`: the write-rate
+//! limit, measured from the worker's own counters; the process metrics as
+//! a real Prometheus scrapes them; the MongoDB driver's wire compression.
 
 use std::time::{Duration, Instant};
 
+use mongodb::bson::doc;
 use testkit::*;
 
 use crate::bin;
@@ -94,4 +96,56 @@ async fn the_rate_limit_holds_the_written_rate_and_prometheus_sees_process_metri
     assert_eq!(audit_clean(&env, 10).await.trades, total);
     assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
     env.cleanup().await;
+}
+
+/// The mongodb driver is built with zstd, snappy and zlib: a URI asking
+/// for them is accepted, the local server agrees to all three (so the
+/// driver sends zstd, its first choice), and the worker stores through it.
+#[tokio::test]
+async fn a_uri_asking_for_wire_compression_works() {
+    let env = TestEnv::new("compression", 1).await;
+    let uri = format!(
+        "{}&compressors=zstd,snappy,zlib&zlibCompressionLevel=6",
+        env.mongo_uri
+    );
+    let client = mongodb::Client::with_uri_str(&uri)
+        .await
+        .expect("the URI parses");
+    let hello = client
+        .database("admin")
+        .run_command(doc! {"hello": 1, "compression": ["zstd", "snappy", "zlib"]})
+        .await
+        .expect("hello");
+    let agreed = hello
+        .get_array("compression")
+        .expect("the server agrees to compress");
+    assert!(agreed.contains(&"zstd".into()), "{agreed:?}");
+    let events: Vec<_> = (0..200)
+        .map(|i| {
+            serde_json::json!({"tradeId": format!("Z{i}"), "customerId": i % 7, "type": "buy",
+            "ticker": "MDB", "qty": 1, "date": 1_700_000_000_000i64 + i})
+        })
+        .collect();
+    env.produce_json(&events).await;
+    let vars = env.vars(&[("TRADEBUCKET__MONGODB__URI", &uri)]);
+    let worker = WorkerProcess::start(bin(), &vars, Log::Quiet);
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    assert_eq!(audit_clean(&env, 10).await.trades, 200);
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
+
+/// MONGODB-AWS is compiled in: a URI naming it parses (without the
+/// driver's aws-auth feature it is refused as unsupported). Signing in
+/// needs AWS, which no test here has.
+#[tokio::test]
+async fn a_uri_with_mongodb_aws_auth_parses() {
+    let uri = "mongodb://127.0.0.1:1/?authSource=%24external&authMechanism=MONGODB-AWS";
+    let options = mongodb::options::ClientOptions::parse(uri).await;
+    let mechanism = options
+        .expect("MONGODB-AWS is supported")
+        .credential
+        .unwrap()
+        .mechanism;
+    assert_eq!(mechanism, Some(mongodb::options::AuthMechanism::MongoDbAws));
 }
