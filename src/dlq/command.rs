@@ -49,6 +49,10 @@ pub enum DlqCommand {
         /// Print what would be replayed; send nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Send this file's content as the payload instead of the dead
+        /// letter's (a corrected event); the selection must be one dead letter.
+        #[arg(long)]
+        payload: Option<std::path::PathBuf>,
     },
 }
 
@@ -98,7 +102,16 @@ pub async fn execute(settings: &Settings, command: DlqCommand) -> Result<bool, D
             all,
             rate,
             dry_run,
-        } => replay(settings, &target, &filter, all, rate, dry_run).await,
+            payload,
+        } => {
+            let options = ReplayOptions {
+                all,
+                rate,
+                dry_run,
+                payload,
+            };
+            replay(settings, &target, &filter, &options).await
+        }
     }
 }
 
@@ -137,26 +150,49 @@ fn list(
     Ok(true)
 }
 
+/// `dlq replay`'s flags besides the topic and the filter.
+struct ReplayOptions {
+    all: bool,
+    rate: u64,
+    dry_run: bool,
+    payload: Option<std::path::PathBuf>,
+}
+
 async fn replay(
     settings: &Settings,
     target: &Target,
     filter: &Filter,
-    all: bool,
-    rate: u64,
-    dry_run: bool,
+    options: &ReplayOptions,
 ) -> Result<bool, DlqError> {
+    let ReplayOptions {
+        all,
+        rate,
+        dry_run,
+        payload,
+    } = options;
     if filter.is_empty() && !all {
         return Err(DlqError::Refused(
             "no dead letters selected: give a filter (--kind, --at, ...) or --all".into(),
         ));
     }
     let topic = target.topic(settings);
-    let chosen = io::select(settings, &topic, filter, target.timeout)?;
+    let mut chosen = io::select(settings, &topic, filter, target.timeout)?;
     if chosen.is_empty() {
         println!("no dead letter of {topic} matches");
         return Ok(false);
     }
-    if dry_run {
+    if let Some(path) = payload {
+        let [(_, replay)] = chosen.as_mut_slice() else {
+            return Err(DlqError::Refused(format!(
+                "--payload replaces one dead letter's payload, and {} are selected (use --at)",
+                chosen.len()
+            )));
+        };
+        let corrected = std::fs::read(path)
+            .map_err(|e| DlqError::Refused(format!("cannot read {}: {e}", path.display())))?;
+        replay.payload = Some(corrected);
+    }
+    if *dry_run {
         for (l, r) in &chosen {
             println!(
                 "would replay {}:{} to {} as {}",
@@ -182,7 +218,7 @@ async fn replay(
         indicatif::ProgressBar::hidden()
     };
     let replays: Vec<_> = chosen.into_iter().map(|(_, r)| r).collect();
-    let sent = io::replay(settings, &replays, rate, &bar).await?;
+    let sent = io::replay(settings, &replays, *rate, &bar).await?;
     bar.finish_and_clear();
     println!("replayed {sent} dead letters of {topic}");
     Ok(true)

@@ -229,6 +229,32 @@ async fn replayed_dead_letters_are_stored_once_however_often_replayed() {
     // Nothing more was dead-lettered once the cause was fixed.
     assert_eq!(env.dead_letters_to_end().len(), 12);
 
+    // A corrected payload for one dead letter (--payload): a trade without
+    // tradeId, replayed twice with different corrections, is stored once.
+    let file = std::env::temp_dir().join(unique("corrected"));
+    for (round, qty) in [(0, 5), (1, 6)] {
+        let fixed = trade("")
+            .no_id()
+            .customer(9)
+            .ticker("FIXED")
+            .qty(qty)
+            .json();
+        std::fs::write(&file, fixed.to_string()).unwrap();
+        let args = ["replay", "--at", "0:0", "--payload", file.to_str().unwrap()];
+        let (code, out, err) = dlq(&env, &args);
+        assert_eq!(code, Some(0), "round {round}: {err}");
+        assert!(out.contains("replayed 1 dead letters"), "{out}");
+        env.wait_committed_to_end(Duration::from_secs(60)).await;
+        assert_eq!(audit_clean(&env, 10).await.trades, 7, "round {round}");
+    }
+    let (code, _, err) = dlq(
+        &env,
+        &["replay", "--all", "--payload", file.to_str().unwrap()],
+    );
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--payload replaces one dead letter"), "{err}");
+    let _ = std::fs::remove_file(file);
+
     assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
     env.cleanup().await;
 }
