@@ -470,18 +470,7 @@ pub async fn produce(
     let base_ms = 1_700_000_000_000i64;
     let started = Instant::now();
     let mut in_flight = FuturesUnordered::new();
-    let bar = if progress {
-        let bar = indicatif::ProgressBar::new(opts.count);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{spinner} {bar:40} {pos}/{len} trades  {per_sec}  eta {eta}",
-            )
-            .expect("a valid template"),
-        );
-        bar
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = progress_bar(progress, opts.count, "trades");
     for n in 0..opts.count {
         if opts.rate > 0 {
             let due = Duration::from_secs_f64(n as f64 / opts.rate as f64);
@@ -511,6 +500,19 @@ pub async fn produce(
     }
     bar.finish_and_clear();
     Ok((topic, opts.count, started.elapsed().as_secs_f64()))
+}
+
+/// A progress bar of `len` `things` on stderr, or a hidden one when
+/// `visible` is false (not a terminal): `produce` and `dlq replay`.
+pub fn progress_bar(visible: bool, len: u64, things: &str) -> indicatif::ProgressBar {
+    if !visible {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    let template =
+        format!("{{spinner}} {{bar:40}} {{pos}}/{{len}} {things}  {{per_sec}}  eta {{eta}}");
+    bar.set_style(indicatif::ProgressStyle::with_template(&template).expect("a valid template"));
+    bar
 }
 
 /// The broker's verdict on one produced event.

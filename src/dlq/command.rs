@@ -205,18 +205,11 @@ async fn replay(
         println!("dry run: {} dead letters, nothing sent", chosen.len());
         return Ok(true);
     }
-    let bar = if std::io::stderr().is_terminal() {
-        let bar = indicatif::ProgressBar::new(chosen.len() as u64);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} replayed  {per_sec}  eta {eta}",
-            )
-            .expect("a valid template"),
-        );
-        bar
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = crate::cli::progress_bar(
+        std::io::stderr().is_terminal(),
+        chosen.len() as u64,
+        "replayed",
+    );
     let replays: Vec<_> = chosen.into_iter().map(|(_, r)| r).collect();
     let sent = io::replay(settings, &replays, *rate, &bar).await?;
     bar.finish_and_clear();
