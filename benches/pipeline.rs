@@ -153,12 +153,10 @@ async fn main() -> anyhow::Result<()> {
     // and at lighter loads, to show where the delay comes from.
     let mut delays = Vec::new();
     let steady = (args.steady_rate > 0).then_some((args.steady_rate, None));
-    let fractions = args.latency_fractions.iter().map(|&f| {
-        (
-            ((first.events_per_second * f) as u64).max(1),
-            Some(f),
-        )
-    });
+    let fractions = args
+        .latency_fractions
+        .iter()
+        .map(|&f| (((first.events_per_second * f) as u64).max(1), Some(f)));
     for (n, (rate, fraction)) in steady.into_iter().chain(fractions).enumerate() {
         let mut latency = steady_delay(&target, &args, rate, n, fraction.is_none()).await?;
         eprintln!(
@@ -687,7 +685,7 @@ async fn steady_delay(
     let load = produce_options(args, 0, count, rate, &t.topic);
     let sampling = async {
         if !sample {
-            return Ok(Vec::new());
+            return Ok::<Vec<f64>, anyhow::Error>(Vec::new());
         }
         let store = BucketStore::connect(&s).await?;
         let span = Duration::from_secs(args.latency_seconds);
@@ -863,9 +861,16 @@ impl Cpu {
     fn of_stack() -> Cpu {
         let dir = PathBuf::from(std::env::var("TRADEBUCKET_STACK_DIR").unwrap_or_default());
         let pid = |name: &str| -> Option<u32> {
-            let p = std::fs::read_to_string(dir.join(name)).ok()?.trim().parse().ok();
+            let p = std::fs::read_to_string(dir.join(name))
+                .ok()?
+                .trim()
+                .parse()
+                .ok();
             if p.is_none() {
-                eprintln!("bench: no PID in {}: its CPU is not measured", dir.join(name).display());
+                eprintln!(
+                    "bench: no PID in {}: its CPU is not measured",
+                    dir.join(name).display()
+                );
             }
             p
         };
@@ -988,7 +993,10 @@ async fn readable_after(store: BucketStore, key: String, acked: Instant) -> anyh
         if found.is_some() {
             return Ok(acked.elapsed().as_secs_f64());
         }
-        anyhow::ensure!(acked.elapsed() < Duration::from_secs(30), "{key} not stored in 30 s");
+        anyhow::ensure!(
+            acked.elapsed() < Duration::from_secs(30),
+            "{key} not stored in 30 s"
+        );
         tokio::time::sleep(SAMPLE_POLL).await;
     }
 }
