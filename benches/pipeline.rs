@@ -8,8 +8,12 @@
 //! - the database ceiling: the final bucket documents, planned offline,
 //!   written with unordered bulk inserts;
 //! - the Kafka read ceiling: reading the topic without processing;
+//! - CPU-seconds per million events of the worker, the broker and the
+//!   database server in each phase (`Cpu`, from /proc/PID/stat);
 //! - the worker's peak RSS, and the delay from message timestamp to
-//!   committed write at a steady half of the measured throughput.
+//!   committed write at the target's steady 1,000 events/s (with a sample
+//!   of trades timed from producer acknowledgement to readable in MongoDB)
+//!   and at fractions of the measured throughput.
 //!
 //! Run through `scripts/bench`, which starts the stack, builds, runs this
 //! and renders `docs/benchmarks.md` and its chart from the JSON it writes.
@@ -19,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use futures::stream::{FuturesUnordered, StreamExt};
+use futures::stream::{FuturesUnordered, StreamExt, TryStreamExt};
 use mongodb::bson::{doc, Bson, Document, RawDocumentBuf};
 use mongodb::options::{Acknowledgment, WriteConcern};
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -57,6 +61,12 @@ struct Args {
     /// set's throughput; the first is the target's (half).
     #[arg(long, value_delimiter = ',', default_values_t = [0.5, 0.25, 0.1])]
     latency_fractions: Vec<f64>,
+    /// The steady load of the delay target (issue #18: p99 within 100 ms
+    /// at 1,000 events/s), measured besides the fractions, with a sample of
+    /// trades timed from the producer's acknowledgement to being readable
+    /// in MongoDB; 0 skips it.
+    #[arg(long, default_value_t = 1000)]
+    steady_rate: u64,
     /// Skip the second set (quicker runs while optimising).
     #[arg(long)]
     no_second_set: bool,
@@ -83,6 +93,9 @@ struct WorkerRun {
     seconds: f64,
     events_per_second: f64,
     peak_rss_mib: f64,
+    /// CPU-seconds per million events of the worker, the broker and the
+    /// database server over the run.
+    cpu_per_million: serde_json::Value,
 }
 
 /// The release binary `cargo bench` built alongside this program.
@@ -120,6 +133,14 @@ async fn main() -> anyhow::Result<()> {
     let mut samples = Vec::new();
     let (first, second) = worker_runs(&args, &target, &mut samples).await?;
     let audit = cli::audit(&settings, None).await?;
+    // The ceiling is only a ceiling of the same work with the same indexes.
+    let store = BucketStore::connect(&settings).await?;
+    let product_indexes = index_keys(store.collection()).await?;
+    anyhow::ensure!(
+        json!(product_indexes) == ceilings["database_ceiling"]["indexes"],
+        "the ceiling collection's indexes {} differ from the product's {product_indexes:?}",
+        ceilings["database_ceiling"]["indexes"]
+    );
     let expected = if second.is_some() { 2 } else { 1 } * args.events;
     anyhow::ensure!(
         audit.violations.is_empty() && audit.trades == expected,
@@ -131,12 +152,16 @@ async fn main() -> anyhow::Result<()> {
     // 6. Delay at a steady half of the measured throughput (the target),
     // and at lighter loads, to show where the delay comes from.
     let mut delays = Vec::new();
-    for (n, fraction) in args.latency_fractions.iter().enumerate() {
-        let rate = ((first.events_per_second * fraction) as u64).max(1);
-        let mut latency = steady_delay(&target, &args, rate, n).await?;
+    let steady = (args.steady_rate > 0).then_some((args.steady_rate, None));
+    let fractions = args
+        .latency_fractions
+        .iter()
+        .map(|&f| (((first.events_per_second * f) as u64).max(1), Some(f)));
+    for (n, (rate, fraction)) in steady.into_iter().chain(fractions).enumerate() {
+        let mut latency = steady_delay(&target, &args, rate, n, fraction.is_none()).await?;
         eprintln!(
-            "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s",
-            latency["p50_seconds"], latency["p99_seconds"]
+            "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s; sampled {}",
+            latency["p50_seconds"], latency["p99_seconds"], latency["sampled"]
         );
         latency["fraction_of_max"] = json!(fraction);
         delays.push(latency);
@@ -187,22 +212,33 @@ fn produce_options(
 /// JSON entries.
 async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Value> {
     let settings = target.settings();
+    let cpu = Cpu::of_stack();
+    let before = cpu.snapshot(None);
     let (kafka_secs, messages) =
         read_topic(&settings, &target.topic, args.partitions, args.events)?;
+    let kafka_cpu = before.per_million(&cpu.snapshot(None), args.events);
     let kafka_rate = args.events as f64 / kafka_secs;
-    eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s");
+    eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s, CPU-s per million {kafka_cpu}");
 
-    let (db_secs, buckets) = database_ceiling(target, &messages, args.ceiling_concurrency).await?;
-    let db_rate = args.events as f64 / db_secs;
-    eprintln!("bench: database ceiling {db_rate:.0} events/s ({buckets} documents)");
+    let db = database_ceiling(target, &messages, args.ceiling_concurrency, &cpu).await?;
+    let db_rate = args.events as f64 / db.seconds;
+    eprintln!(
+        "bench: database ceiling {db_rate:.0} events/s ({} documents), CPU-s per million {}",
+        db.documents, db.cpu
+    );
 
+    let before = cpu.snapshot(None);
     let naive_rate = naive_baseline(target, &messages, args.naive_events).await?;
+    let naive_cpu = before.per_million(&cpu.snapshot(None), args.naive_events as u64);
     eprintln!("bench: naive baseline {naive_rate:.0} events/s");
     Ok(json!({
-        "kafka_read_ceiling": {"seconds": kafka_secs, "events_per_second": kafka_rate},
-        "database_ceiling": {"seconds": db_secs, "events_per_second": db_rate,
-                             "documents": buckets, "concurrency": args.ceiling_concurrency},
-        "naive_baseline": {"events": args.naive_events, "events_per_second": naive_rate},
+        "kafka_read_ceiling": {"seconds": kafka_secs, "events_per_second": kafka_rate,
+                               "cpu_per_million": kafka_cpu},
+        "database_ceiling": {"seconds": db.seconds, "events_per_second": db_rate,
+                             "documents": db.documents, "concurrency": args.ceiling_concurrency,
+                             "indexes": db.indexes, "cpu_per_million": db.cpu},
+        "naive_baseline": {"events": args.naive_events, "events_per_second": naive_rate,
+                           "cpu_per_million": naive_cpu},
     }))
 }
 
@@ -213,25 +249,25 @@ async fn worker_runs(
     target: &Target,
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<(WorkerRun, Option<WorkerRun>)> {
-    let first = run_worker(target, args.events, "first", samples).await?;
+    let first = run_worker(target, args.events, args.events, "first", samples).await?;
     eprintln!(
-        "bench: tradebucket {:.0} events/s, peak RSS {:.1} MiB",
-        first.events_per_second, first.peak_rss_mib
+        "bench: tradebucket {:.0} events/s, peak RSS {:.1} MiB, CPU-s per million {}",
+        first.events_per_second, first.peak_rss_mib, first.cpu_per_million
     );
     if args.no_second_set {
         return Ok((first, None));
     }
     let more = produce_options(args, args.events, args.events, 0, &target.topic);
     cli::produce(&target.settings(), &more, false).await?;
-    let run = run_worker(target, 2 * args.events, "second", samples).await?;
+    let run = run_worker(target, 2 * args.events, args.events, "second", samples).await?;
     let run = WorkerRun {
         events: args.events,
         events_per_second: args.events as f64 / run.seconds,
         ..run
     };
     eprintln!(
-        "bench: second set {:.0} events/s, peak RSS {:.1} MiB",
-        run.events_per_second, run.peak_rss_mib
+        "bench: second set {:.0} events/s, peak RSS {:.1} MiB, CPU-s per million {}",
+        run.events_per_second, run.peak_rss_mib, run.cpu_per_million
     );
     Ok((first, Some(run)))
 }
@@ -403,7 +439,8 @@ async fn database_ceiling(
     target: &Target,
     messages: &[Msg],
     concurrency: usize,
-) -> anyhow::Result<(f64, usize)> {
+    cpu: &Cpu,
+) -> anyhow::Result<DatabaseCeiling> {
     let (trades, sources) = decode_all(&target.topic, messages)?;
     // Stream order per customer: by partition, then offset (keyed by
     // customer, so one partition each).
@@ -450,6 +487,8 @@ async fn database_ceiling(
     let chunks: Vec<Vec<RawDocumentBuf>> =
         docs.chunks(1000).map(<[RawDocumentBuf]>::to_vec).collect();
     drop(docs);
+    // Only the inserts count: planning and encoding above are the bench's.
+    let before = cpu.snapshot(None);
     let started = Instant::now();
     let mut pending = FuturesUnordered::new();
     for chunk in chunks {
@@ -471,7 +510,36 @@ async fn database_ceiling(
     while let Some(r) = pending.next().await {
         r?;
     }
-    Ok((started.elapsed().as_secs_f64(), n_docs))
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(DatabaseCeiling {
+        seconds,
+        documents: n_docs,
+        indexes: index_keys(store.collection()).await?,
+        cpu: before.per_million(&cpu.snapshot(None), messages.len() as u64),
+    })
+}
+
+/// What the database ceiling measured.
+struct DatabaseCeiling {
+    seconds: f64,
+    documents: usize,
+    /// The ceiling collection's index key patterns: the product's own
+    /// (`BucketStore::init` created them), checked against the worker's
+    /// collection after its run.
+    indexes: Vec<String>,
+    cpu: serde_json::Value,
+}
+
+/// The key patterns of a collection's indexes, sorted, as JSON text.
+async fn index_keys(coll: &mongodb::Collection<Document>) -> anyhow::Result<Vec<String>> {
+    let mut keys: Vec<String> = coll
+        .list_indexes()
+        .await?
+        .map(|m| m.map(|m| Bson::Document(m.keys).into_relaxed_extjson().to_string()))
+        .try_collect()
+        .await?;
+    keys.sort();
+    Ok(keys)
 }
 
 /// The manual's way: one conditional upsert per trade, one round trip each,
@@ -511,10 +579,12 @@ async fn naive_baseline(target: &Target, messages: &[Msg], count: usize) -> anyh
 }
 
 /// Starts the release binary and waits until the group's committed offsets
-/// reach the end of the topic and `expected_total` trades are stored.
+/// reach the end of the topic and `expected_total` trades are stored
+/// (`new_events` of them by this run: what its CPU is counted against).
 async fn run_worker(
     target: &Target,
     expected_total: u64,
+    new_events: u64,
     phase: &'static str,
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<WorkerRun> {
@@ -524,6 +594,8 @@ async fn run_worker(
         .with_var("TRADEBUCKET__HTTP__LISTEN", &format!("127.0.0.1:{port}"));
     let s = t.settings();
     let ends = end_offsets(&s, &t.topic)?;
+    let cpu = Cpu::of_stack();
+    let cpu_before = cpu.snapshot(None);
     let started = Instant::now();
     let mut child = t.spawn_worker();
     let metrics_url = format!("http://127.0.0.1:{port}/metrics");
@@ -556,6 +628,7 @@ async fn run_worker(
         }
     }
     let seconds = started.elapsed().as_secs_f64();
+    let cpu_after = cpu.snapshot(Some(child.id()));
     let stored = stored_trades(&store).await?;
     anyhow::ensure!(
         stored == expected_total,
@@ -569,6 +642,7 @@ async fn run_worker(
         seconds,
         events_per_second: events as f64 / seconds,
         peak_rss_mib,
+        cpu_per_million: cpu_before.per_million(&cpu_after, new_events),
     })
 }
 
@@ -579,6 +653,7 @@ async fn steady_delay(
     args: &Args,
     rate: u64,
     run: usize,
+    sample: bool,
 ) -> anyhow::Result<serde_json::Value> {
     let port = free_port();
     let t = Target::new(
@@ -608,7 +683,17 @@ async fn steady_delay(
     anyhow::ensure!(assigned, "no assignment within 60 s");
     let count = rate * args.latency_seconds;
     let load = produce_options(args, 0, count, rate, &t.topic);
-    cli::produce(&s, &load, false).await?;
+    let sampling = async {
+        if !sample {
+            return Ok::<Vec<f64>, anyhow::Error>(Vec::new());
+        }
+        let store = BucketStore::connect(&s).await?;
+        let span = Duration::from_secs(args.latency_seconds);
+        sampled_delays(&s, &t.topic, &store, span, run).await
+    };
+    let (produced, sampled) = tokio::join!(cli::produce(&s, &load, false), sampling);
+    produced?;
+    let mut sampled = sampled?;
     let ends = end_offsets(&s, &t.topic)?;
     let checker = kafka_consumer(&s, &t.group)?;
     // A broker error while asking counts as not yet: asked again.
@@ -625,8 +710,13 @@ async fn steady_delay(
     stop(child)?;
     let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
     let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
+    sampled.sort_by(f64::total_cmp);
+    let rank = |q: f64| sampled.get(((sampled.len() as f64 * q).ceil() as usize).saturating_sub(1));
     Ok(json!({
         "rate_events_per_second": rate,
+        "sampled": {"trades": sampled.len(), "p50_seconds": rank(0.50),
+                    "p90_seconds": rank(0.90), "p99_seconds": rank(0.99),
+                    "max_seconds": sampled.last()},
         "events": count,
         "observed": total,
         "p50_seconds": quantile(&buckets, 0.50),
@@ -741,4 +831,173 @@ fn cpu_model() -> String {
                 .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
         })
         .unwrap_or_default()
+}
+
+/// CPU-seconds (user + system, from `/proc/PID/stat`) of the processes a
+/// phase costs: the worker, the Kafka-protocol broker and the
+/// MongoDB-protocol server. CPU time, unlike wall-clock time, is what a
+/// process cost whatever else shared the cores, so phases compare even
+/// though all three run on the same two cores.
+#[derive(Debug, Clone, Copy)]
+struct Cpu {
+    /// `/proc/PID/stat` counts in clock ticks (`getconf CLK_TCK`).
+    tick: f64,
+    broker: Option<u32>,
+    database: Option<u32>,
+}
+
+/// CPU-seconds so far of each process.
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuSnapshot {
+    worker: Option<f64>,
+    broker: Option<f64>,
+    database: Option<f64>,
+}
+
+impl Cpu {
+    /// The stack's servers, by the PID files `scripts/stack` writes into
+    /// `TRADEBUCKET_STACK_DIR`. A missing file leaves that process unmeasured
+    /// (`null` in the results), never fails the run.
+    fn of_stack() -> Cpu {
+        let dir = PathBuf::from(std::env::var("TRADEBUCKET_STACK_DIR").unwrap_or_default());
+        let pid = |name: &str| -> Option<u32> {
+            let p = std::fs::read_to_string(dir.join(name))
+                .ok()?
+                .trim()
+                .parse()
+                .ok();
+            if p.is_none() {
+                eprintln!(
+                    "bench: no PID in {}: its CPU is not measured",
+                    dir.join(name).display()
+                );
+            }
+            p
+        };
+        let tick = std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok()?.trim().parse().ok())
+            .unwrap_or(100.0);
+        Cpu {
+            tick,
+            broker: pid("kafka.pid"),
+            database: pid("mongodb.pid"),
+        }
+    }
+
+    /// utime + stime of `pid`, in seconds.
+    fn seconds(&self, pid: u32) -> Option<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The command name may hold spaces: fields count from after ')'.
+        // There, field 3 (state) is the first, so utime (14) and stime
+        // (15) are the 12th and 13th.
+        let mut rest = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+        let utime: f64 = rest.next()?.parse().ok()?;
+        let stime: f64 = rest.next()?.parse().ok()?;
+        Some((utime + stime) / self.tick)
+    }
+
+    fn snapshot(&self, worker: Option<u32>) -> CpuSnapshot {
+        CpuSnapshot {
+            worker: worker.and_then(|p| self.seconds(p)),
+            broker: self.broker.and_then(|p| self.seconds(p)),
+            database: self.database.and_then(|p| self.seconds(p)),
+        }
+    }
+}
+
+impl CpuSnapshot {
+    /// CPU-seconds per million events between `self` and `later`, per
+    /// process (`null` where unmeasured). A worker is a fresh process per
+    /// phase, so its figure is its whole life up to `later`.
+    fn per_million(&self, later: &CpuSnapshot, events: u64) -> serde_json::Value {
+        let per = |a: Option<f64>, b: Option<f64>| {
+            let used = b? - a.unwrap_or(0.0);
+            Some(used / events.max(1) as f64 * 1e6)
+        };
+        json!({
+            "events": events,
+            "worker": per(self.worker, later.worker),
+            "broker": per(self.broker, later.broker),
+            "database": per(self.database, later.database),
+        })
+    }
+}
+
+/// One trade every this often, on top of the generator's steady load, is
+/// timed from its producer acknowledgement to being readable in MongoDB.
+const SAMPLE_EVERY: Duration = Duration::from_millis(200);
+/// How often a sampled trade's key is looked up until it is stored: the
+/// resolution of the sampled delays, and light on the server (an indexed
+/// point query, one or two samples in flight).
+const SAMPLE_POLL: Duration = Duration::from_millis(5);
+
+/// Delays, in seconds, from the broker's acknowledgement of a sampled trade
+/// (`acks=all`) to its key being readable in the worker's collection at
+/// read concern "majority" (what the decisive reads use), for `span`.
+async fn sampled_delays(
+    settings: &Settings,
+    topic: &str,
+    store: &BucketStore,
+    span: Duration,
+    run: usize,
+) -> anyhow::Result<Vec<f64>> {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &settings.kafka.brokers)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "0")
+        .create()?;
+    // Each sample waits in its own task, so its clock stops when its trade
+    // is found, not when this loop next looks.
+    let mut waits = tokio::task::JoinSet::new();
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    let started = Instant::now();
+    let mut n = 0u64;
+    while started.elapsed() < span {
+        tick.tick().await;
+        n += 1;
+        let id = format!("S-{run}-{n}");
+        let customer = n % 1000;
+        let date = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let payload = testkit::event::trade(id.as_str())
+            .customer(customer)
+            .date(date)
+            .payload();
+        let key = customer.to_string();
+        let record = FutureRecord::to(topic).key(&key).payload(&payload);
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)?;
+        let acked = Instant::now();
+        waits.spawn(readable_after(store.clone(), format!("t:{id}"), acked));
+    }
+    let mut delays = Vec::new();
+    while let Some(r) = waits.join_next().await {
+        delays.push(r??);
+    }
+    Ok(delays)
+}
+
+/// Seconds from `acked` until a bucket holds `key`.
+async fn readable_after(store: BucketStore, key: String, acked: Instant) -> anyhow::Result<f64> {
+    loop {
+        let found = store
+            .collection()
+            .find_one(doc! {"history.key": &key})
+            .projection(doc! {"_id": 1})
+            .await?;
+        if found.is_some() {
+            return Ok(acked.elapsed().as_secs_f64());
+        }
+        // As long as the steady phase waits for its commits.
+        anyhow::ensure!(
+            acked.elapsed() < Duration::from_secs(120),
+            "{key} not stored in 120 s"
+        );
+        tokio::time::sleep(SAMPLE_POLL).await;
+    }
 }

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::fmt;
 
 use chrono::{DateTime, FixedOffset};
-use mongodb::bson::{self, Bson, Decimal128, Document, RawDocumentBuf};
+use mongodb::bson::{self, Bson, Decimal128, Document, RawBson, RawDocumentBuf};
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -211,7 +211,20 @@ impl Source {
     /// update paths may not contain '.', which topic names may; '~' is not
     /// legal in topic names, so the mapping stays one-to-one.
     pub fn partition_key(&self) -> String {
-        format!("{}:{}", self.topic.replace('.', "~"), self.partition)
+        use std::fmt::Write;
+        // One allocation: planning asks for it several times per event.
+        let mut key = String::with_capacity(self.topic.len() + 12);
+        key.extend(self.topic.chars().map(|c| if c == '.' { '~' } else { c }));
+        // Writing to a String cannot fail.
+        let _ = write!(key, ":{}", self.partition);
+        key
+    }
+
+    /// `partition_key().len()`, without building it ('~' replaces '.'
+    /// byte for byte).
+    pub fn partition_key_len(&self) -> usize {
+        let digits = self.partition.unsigned_abs().checked_ilog10().unwrap_or(0) as usize + 1;
+        self.topic.len() + 1 + usize::from(self.partition < 0) + digits
     }
 }
 
@@ -370,33 +383,33 @@ impl TradeFields {
             Some((_, text)) => format!("t:{text}"),
             None => identity.key(),
         };
-        let mut doc = Document::new();
+        // Encoded field by field, straight into the bytes the writer sends:
+        // a `Document` first (a map of boxed values) and then its encoding
+        // cost an allocation per field and a second pass, per event. Every
+        // name appended is one of ours or an extra's, which
+        // `check_field_name` keeps free of NUL (the one thing `append`
+        // refuses, by panicking).
+        let mut doc = RawDocumentBuf::new();
         if let Some((value, _)) = self.trade_id {
-            doc.insert("tradeId", value);
+            doc.append("tradeId", raw_value(value)?);
         }
-        doc.insert("type", side);
-        doc.insert("ticker", ticker.clone());
-        doc.insert("qty", qty);
+        doc.append("type", side);
+        doc.append("ticker", ticker.as_str());
+        doc.append("qty", raw_value(qty)?);
         if let Some(p) = self.price {
-            doc.insert("price", p);
+            doc.append("price", p);
         }
         if let Some(c) = self.currency {
-            doc.insert("currency", c);
+            doc.append("currency", c);
         }
-        doc.insert("date", bson::DateTime::from_millis(date_ms));
+        doc.append("date", bson::DateTime::from_millis(date_ms));
         if let Some(minutes) = offset_minutes {
-            doc.insert("offsetMinutes", minutes);
+            doc.append("offsetMinutes", minutes);
         }
-        doc.extend(self.extras);
-        doc.insert("key", key.clone());
-        // Cannot fail for what the checks above let through (no NUL in
-        // names), but an encoding error is bad input, not a reason to panic.
-        let doc = RawDocumentBuf::from_document(&doc).map_err(|e| {
-            Reject::new(
-                RejectKind::InvalidField,
-                format!("the trade cannot be encoded as BSON: {e}"),
-            )
-        })?;
+        for (name, value) in self.extras {
+            doc.append(name, raw_value(value)?);
+        }
+        doc.append("key", key.as_str());
         check_entry_size(&doc)?;
         Ok(Trade {
             key,
@@ -406,6 +419,18 @@ impl TradeFields {
             doc,
         })
     }
+}
+
+/// A value as encoded BSON. Cannot fail for what the checks let through
+/// (no NUL in names), but an encoding error is bad input, not a reason to
+/// panic.
+fn raw_value(value: Bson) -> Result<RawBson, Reject> {
+    RawBson::try_from(value).map_err(|e| {
+        Reject::new(
+            RejectKind::InvalidField,
+            format!("the trade cannot be encoded as BSON: {e}"),
+        )
+    })
 }
 
 /// A trade whose history entry is larger than any bucket can take would

@@ -292,7 +292,7 @@ fn fill(head: &mut BucketHead, events: &[Event<'_>], legacy_cap: u32) -> Fill {
         }
         fill.events.push(ev.index);
         advance(&mut fill.wm, ev.source);
-        fill.tickers.insert(ev.trade.ticker.clone());
+        add_ticker(&mut fill.tickers, &ev.trade.ticker);
         if let Some(b) = fill.bytes.as_mut() {
             *b += size::charge(ev.trade, ev.source);
         }
@@ -359,7 +359,7 @@ fn open_bucket(
             break;
         }
         taken.push(ev.index);
-        tickers.insert(ev.trade.ticker.clone());
+        add_ticker(&mut tickers, &ev.trade.ticker);
         after.push(ev);
     }
     let bucket = NewBucket {
@@ -380,8 +380,21 @@ fn advance(wm: &mut BTreeMap<String, i64>, source: &Source) {
 }
 
 fn advance_to(wm: &mut BTreeMap<String, i64>, key: &str, offset: i64) {
-    let entry = wm.entry(key.to_string()).or_insert(offset);
-    *entry = (*entry).max(offset);
+    // The key is copied only the first time: this runs for every event.
+    match wm.get_mut(key) {
+        Some(entry) => *entry = (*entry).max(offset),
+        None => {
+            wm.insert(key.to_string(), offset);
+        }
+    }
+}
+
+/// Adds `ticker` to `tickers`, copying it only if it is new (most events
+/// repeat a ticker their bucket already has).
+fn add_ticker(tickers: &mut BTreeSet<String>, ticker: &str) {
+    if !tickers.contains(ticker) {
+        tickers.insert(ticker.to_string());
+    }
 }
 
 #[cfg(test)]

@@ -66,10 +66,7 @@ pub const CAP_BYTES: u64 = MAX_DOCUMENT_BYTES - SIZE_MARGIN - MAX_ENTRY_BYTES - 
 /// bucket or a fill.
 pub fn charge(trade: &Trade, source: &Source) -> u64 {
     trade.doc.as_bytes().len() as u64
-        + charge_overhead(
-            trade.ticker.len() as u64,
-            source.partition_key().len() as u64,
-        )
+        + charge_overhead(trade.ticker.len() as u64, source.partition_key_len() as u64)
 }
 
 const fn charge_overhead(ticker_len: u64, key_len: u64) -> u64 {

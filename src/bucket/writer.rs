@@ -287,7 +287,9 @@ impl BucketWriter {
         let events = batch.events;
         let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(batch.pending.len());
         for (customer, idx) in &batch.pending {
-            let head = self.cache.get(customer).cloned().flatten();
+            // Borrowed, not cloned: a head holds up to `cap` keys, and this
+            // runs for every customer of every round.
+            let head = self.cache.get(customer).and_then(Option::as_ref);
             let mut evs: Vec<Event<'_>> = idx
                 .iter()
                 .filter(|&&i| !batch.outcomes[i].is_final())
@@ -307,7 +309,7 @@ impl BucketWriter {
             // Sharded, a first bucket stores the customer's canonical form.
             let stored_as = self.store.stored_customer(customer);
             let limits = Limits::with_capacity(self.capacity);
-            let plan = plan_customer(&stored_as, head.as_ref(), &evs, learnt, limits);
+            let plan = plan_customer(&stored_as, head, &evs, learnt, limits);
             record(
                 batch.outcomes,
                 &plan.already_applied,

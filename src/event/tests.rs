@@ -139,6 +139,42 @@ fn unknown_fields_are_kept() {
     assert_eq!(venue.get_array("legs").unwrap().len(), 2);
 }
 
+/// The entry is written straight as BSON, field by field: the same fields,
+/// in the same order, as the document it used to be encoded from, and
+/// bytes that decode and re-encode to themselves.
+#[test]
+fn the_history_entry_is_encoded_field_by_field_in_a_fixed_order() {
+    let t = ok(
+        r#"{"note":{"a":[1,"x",null]},"tradeId":7,"customerId":5,"type":"sell",
+        "ticker":"MDB","qty":"1.5","price":"2","currency":"EUR",
+        "date":"2023-10-26T15:47:03.434+02:00","venue":"XNAS"}"#,
+    );
+    let entry = t.entry().unwrap();
+    let names: Vec<&str> = entry.keys().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        [
+            "tradeId",
+            "type",
+            "ticker",
+            "qty",
+            "price",
+            "currency",
+            "date",
+            "offsetMinutes",
+            "note",
+            "venue",
+            "key"
+        ]
+    );
+    assert_eq!(
+        RawDocumentBuf::from_document(&entry).unwrap().as_bytes(),
+        t.doc.as_bytes()
+    );
+    assert_eq!(entry.get_i64("tradeId").unwrap(), 7);
+    assert_eq!(entry.get_str("key").unwrap(), "t:7");
+}
+
 #[test]
 fn optional_price_and_currency_may_be_absent_or_null() {
     let t = ok(&with("price", None));
@@ -335,6 +371,16 @@ proptest! {
         let i = cut % v.len();
         v[i] = byte;
         let _ = decode(Some(&v), &src(), 65536);
+    }
+
+    /// The watermark key's length, counted without building the key, is
+    /// its length ('.' becomes '~'; size charges rest on it).
+    #[test]
+    fn partition_key_len_is_the_keys_length(topic in "[a-zA-Z0-9._-]{1,40}", partition in any::<i32>()) {
+        let source = Source { topic, partition, offset: 0 };
+        let key = source.partition_key();
+        prop_assert_eq!(source.partition_key_len(), key.len());
+        prop_assert_eq!(key, format!("{}:{}", source.topic.replace('.', "~"), partition));
     }
 
     /// Any decimal with at most 34 significant digits survives exactly.

@@ -15,7 +15,7 @@ use mongodb::event::command::CommandEvent;
 use mongodb::event::EventHandler;
 use serde_json::Value;
 use testkit::*;
-use tradebucket::bucket::store::{BucketStore, InitError, ShardState};
+use tradebucket::bucket::store::{BucketStore, InitError, ShardState, HEADS_PER_QUERY};
 use tradebucket::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use tradebucket::cli::AuditReport;
 use tradebucket::config::Settings;
@@ -246,7 +246,14 @@ async fn every_path(sharded: bool, uri: &str, direct: bool) {
         .iter()
         .map(|f| f.get_document("filter").expect("a filter"))
         .collect();
-    assert!(filters.iter().any(|f| f.contains_key("_id")), "load_head");
+    // `load_heads`: the `_id`s in the prefix ranges, then the newest by `_id`.
+    let ranges = |f: &&Document| {
+        f.get_array("$or").is_ok_and(|b| {
+            b.iter()
+                .any(|d| d.as_document().is_some_and(|d| d.contains_key("_id")))
+        })
+    };
+    assert!(filters.iter().any(ranges), "load_heads");
     let key_lookups = |f: &&&Document| {
         f.contains_key("history.key")
             || f.get_array("$or").is_ok_and(|b| {
@@ -339,6 +346,76 @@ async fn sharded_mode_names_the_customer_in_every_filter_update_and_insert() {
     if let Some(discovered) = discovered_uri(&direct).await {
         every_path(true, &discovered, false).await;
     }
+}
+
+/// The heads of a batch's newly seen customers come in two queries per
+/// `HEADS_PER_QUERY` customers (one when none has a bucket yet), not one
+/// per customer, and they are the
+/// right heads: a cold writer's next batch fills every customer's open
+/// bucket in one round (a missing or wrong head would insert a bucket whose
+/// `prev` collides, or miss a guard, and cost more rounds).
+async fn heads_in_few_queries(sharded: bool) {
+    let env = TestEnv::new("heads", 1).await;
+    let settings = audit_settings(&env, sharded);
+    let recorder = Recorder::default();
+    let store = BucketStore::connect_with(&settings, Some(recorder.handler(&env.db)))
+        .await
+        .expect("MongoDB client");
+    store.init().await.expect("init");
+    let coll = store.collection().name().to_string();
+    let customers = 1_200i64;
+    let batch = |round: i64| -> Vec<(Trade, Source)> {
+        (0..customers)
+            .map(|c| {
+                let offset = round * customers + c;
+                event(&format!("h{round}-{c}"), c.into(), offset, &env.topic)
+            })
+            .collect()
+    };
+    let head_queries = || {
+        recorder
+            .all()
+            .iter()
+            .filter(|(n, c)| n == "find" && c.get_str("find") == Ok(coll.as_str()))
+            .count()
+    };
+    let chunks = (customers as usize).div_ceil(HEADS_PER_QUERY);
+    let new_writer = || BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());
+
+    recorder.clear();
+    let (outcomes, stats) = write(&mut new_writer(), &batch(0)).await;
+    assert!(outcomes.iter().all(|o| *o == Outcome::Written));
+    assert_eq!(stats.heads_loaded, customers as usize, "{stats:?}");
+    assert_eq!(
+        head_queries(),
+        chunks,
+        "no buckets yet: only the `_id` queries"
+    );
+
+    // A cold writer (as after a restart or rebalance): every head exists.
+    recorder.clear();
+    let (outcomes, stats) = write(&mut new_writer(), &batch(1)).await;
+    assert!(outcomes.iter().all(|o| *o == Outcome::Written));
+    assert_eq!(head_queries(), 2 * chunks, "heads of existing buckets");
+    assert_eq!(
+        (
+            stats.rounds,
+            stats.fills,
+            stats.buckets_created,
+            stats.conflicts
+        ),
+        (1, customers as usize, 0, 0),
+        "{stats:?}"
+    );
+    let report = audit(&env, sharded).await;
+    assert_eq!(report.trades, 2 * customers as u64);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn heads_of_new_customers_load_in_one_query_per_chunk() {
+    heads_in_few_queries(false).await;
+    heads_in_few_queries(true).await;
 }
 
 /// `tradebucket <command>` with these settings: exit code, stdout and
