@@ -8,7 +8,7 @@
 //! shortfall marks every customer of the command as stale, to be reloaded:
 //! rare, and always safe, because re-planning is idempotent.
 //!
-//! The reads that decide what is stored (`load_heads`, `find_keys`) go to
+//! The reads that decide what is stored (`load_head`, `find_keys`) go to
 //! the primary at read concern "majority", whatever the URI asks for: a
 //! fill that a stepping-down primary will roll back, or a secondary that
 //! has not caught up, must never make a trade look stored, or its offset
@@ -25,7 +25,7 @@
 //! creates and checks that layout; each mode refuses a collection laid out
 //! for the other.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use futures::{StreamExt, TryStreamExt};
 use mongodb::bson::{doc, rawdoc, Bson, Document, RawArrayBuf, RawBson, RawDocumentBuf};
@@ -33,8 +33,8 @@ use mongodb::error::{ErrorKind, WriteFailure};
 use mongodb::event::command::CommandEvent;
 use mongodb::event::EventHandler;
 use mongodb::options::{
-    Acknowledgment, ClientOptions, CollectionOptions, IndexOptions, InsertManyOptions, ReadConcern,
-    ReadPreference, SelectionCriteria, WriteConcern,
+    Acknowledgment, ClientOptions, CollectionOptions, FindOneOptions, IndexOptions,
+    InsertManyOptions, ReadConcern, ReadPreference, SelectionCriteria, WriteConcern,
 };
 use mongodb::{Client, Collection, Database, IndexModel};
 
@@ -79,11 +79,6 @@ const REFUSALS_OF_DATA: [i32; 19] = [
 /// Not a server code: the driver refused the documents before sending them
 /// (one too large to encode, say): a refusal of their data too.
 pub const CLIENT_REFUSED: i32 = -2;
-
-/// Customers per pair of head queries (`load_heads`): each is one branch
-/// of an `$or`, which servers plan branch by branch (the local one takes
-/// superlinear time in their number: 1.6 s for 500 ranges, 0.06 s for 100).
-pub const HEADS_PER_QUERY: usize = 100;
 
 /// Statements of a `has_keys` query per request.
 const HELD_QUERY_CHUNK: usize = 1000;
@@ -469,74 +464,37 @@ impl BucketStore {
         Ok(None)
     }
 
-    /// The newest bucket (highest `_id` in its prefix range) of each of
-    /// `customers`, with just the fields planning needs, in two queries per
-    /// [`HEADS_PER_QUERY`] customers (`load_concurrency` chunks in flight)
-    /// instead of one per customer: which `_id`s their prefix ranges hold,
-    /// then the newest of each by `_id`. One query per customer cost the
-    /// server a command each (10,000 for 10,000 newly seen customers).
+    /// The newest bucket of `customer` (highest `_id` in its prefix range),
+    /// with just the fields planning needs.
+    pub async fn load_head(&self, customer: &CustomerId) -> Result<Option<BucketHead>, StoreError> {
+        let options = FindOneOptions::builder()
+            .sort(doc! {"_id": -1})
+            .projection(doc! {
+                "count": 1, "cap": 1, "capBytes": 1, "bytes": 1,
+                "customerId": 1, "wm": 1, "history.key": 1,
+            })
+            .build();
+        let doc = self
+            .reads
+            .find_one(self.customer_filter(customer))
+            .with_options(options)
+            .await?;
+        doc.map(|d| head_from_document(&d)).transpose()
+    }
+
+    /// Loads several customers' heads, `load_concurrency` at a time.
     pub async fn load_heads(
         &self,
         customers: Vec<CustomerId>,
     ) -> Result<Vec<(CustomerId, Option<BucketHead>)>, StoreError> {
-        let chunks: Vec<Vec<CustomerId>> = customers
-            .chunks(HEADS_PER_QUERY)
-            .map(<[CustomerId]>::to_vec)
-            .collect();
-        let loaded: Vec<Vec<(CustomerId, Option<BucketHead>)>> = futures::stream::iter(chunks)
-            .map(|chunk| async move { self.heads_of(chunk).await })
+        futures::stream::iter(customers)
+            .map(|c| async move {
+                let head = self.load_head(&c).await?;
+                Ok::<_, StoreError>((c, head))
+            })
             .buffer_unordered(self.load_concurrency)
             .try_collect()
-            .await?;
-        Ok(loaded.into_iter().flatten().collect())
-    }
-
-    /// The heads of `customers`: first the `_id`s in their prefix ranges
-    /// (an `$or` of ranges, in sharded mode each with its customer, so
-    /// mongos asks only their shards; `_id` alone, which the `_id` index
-    /// answers), the newest of each prefix picked here; then those buckets
-    /// by `_id` (sharded: with their customers). A single aggregation
-    /// (`$sort` and `$group`, or a `$unionWith` per customer) was tried
-    /// and is far slower on the local MongoDB-protocol server.
-    async fn heads_of(
-        &self,
-        customers: Vec<CustomerId>,
-    ) -> Result<Vec<(CustomerId, Option<BucketHead>)>, StoreError> {
-        let ranges: Vec<Document> = customers.iter().map(|c| self.customer_filter(c)).collect();
-        let mut ids = self
-            .reads
-            .find(doc! {"$or": ranges})
-            .projection(doc! {"_id": 1})
-            .await?;
-        let mut newest: HashMap<String, String> = HashMap::new();
-        while let Some(d) = ids.try_next().await? {
-            if let Ok(id) = d.get_str("_id") {
-                keep_newest(&mut newest, id);
-            }
-        }
-        let mut heads: HashMap<String, BucketHead> = HashMap::new();
-        if !newest.is_empty() {
-            let mut filter = doc! {"_id": {"$in": newest.values().collect::<Vec<_>>()}};
-            if self.sharded {
-                let keys: Vec<Bson> = customers.iter().map(|c| c.canonical().to_bson()).collect();
-                filter.insert(SHARD_KEY_FIELD, doc! {"$in": keys});
-            }
-            let mut cursor = self.reads.find(filter).projection(head_fields()).await?;
-            while let Some(d) = cursor.try_next().await? {
-                let head = head_from_document(&d)?;
-                if let Some(prefix) = Prefix::of_id(&head.id) {
-                    heads.insert(prefix.as_str().to_string(), head);
-                }
-            }
-        }
-        // `123` and `"123"` share a prefix, hence a head.
-        Ok(customers
-            .into_iter()
-            .map(|c| {
-                let head = heads.get(Prefix::of(&c).as_str()).cloned();
-                (c, head)
-            })
-            .collect())
+            .await
     }
 
     /// Which of the `wanted` trade keys are stored already, and in which
@@ -779,7 +737,7 @@ impl BucketStore {
 /// The indexes of each mode. Unsharded: `prev` and `history.key` unique
 /// across the collection. Sharded: both unique per customer (MongoDB
 /// allows a unique index on a sharded collection only if it starts with
-/// the shard key), and `{customerId: 1, _id: 1}`, which serves `load_heads`
+/// the shard key), and `{customerId: 1, _id: 1}`, which serves `load_head`
 /// (customer equality, `_id` range, newest first) and is the index the
 /// shard key needs: `{customerId: 1, tickers: 1}` cannot be, being
 /// multikey, and the unique ones cannot, being partial.
@@ -981,29 +939,6 @@ fn chunk_by_size(statements: Vec<RawDocumentBuf>) -> Vec<Vec<RawDocumentBuf>> {
     chunks
 }
 
-/// The fields of a bucket planning reads (`head_from_document`).
-fn head_fields() -> Document {
-    doc! {
-        "count": 1, "cap": 1, "capBytes": 1, "bytes": 1,
-        "customerId": 1, "wm": 1, "history.key": 1,
-    }
-}
-
-/// Keeps `id` in `newest` if it is the newest bucket of its prefix seen so
-/// far (`_id` order is page order); an `_id` that is no bucket's is
-/// ignored.
-fn keep_newest(newest: &mut HashMap<String, String>, id: &str) {
-    let Some(prefix) = Prefix::of_id(id) else {
-        return;
-    };
-    match newest.get(prefix.as_str()) {
-        Some(kept) if kept.as_str() >= id => {}
-        _ => {
-            newest.insert(prefix.as_str().to_string(), id.to_string());
-        }
-    }
-}
-
 /// Builds our view of a bucket from its stored form.
 pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
     let id = d
@@ -1176,25 +1111,6 @@ mod tests {
             .map(|d| d.get_i32("i").unwrap())
             .collect();
         assert_eq!(order, vec![0, 1, 2, 3, 4]);
-    }
-
-    #[test]
-    fn the_newest_bucket_of_each_prefix_is_kept() {
-        let mut newest = HashMap::new();
-        for id in [
-            "7_1700000000",
-            "7_1700000005",
-            "7_1700000001",
-            "70_1600000000",
-            "not-a-bucket",
-        ] {
-            keep_newest(&mut newest, id);
-        }
-        let id = |p: &str| newest.get(p).map(String::as_str);
-        assert_eq!(id("7_"), Some("7_1700000005"));
-        // A longer id sharing the text is another customer.
-        assert_eq!(id("70_"), Some("70_1600000000"));
-        assert_eq!(newest.len(), 2);
     }
 
     fn index(name: &str, keys: Document, unique: bool) -> IndexModel {

@@ -132,8 +132,7 @@ pub struct MongoSettings {
     pub write_concern: WriteAcknowledgment,
     /// Wait for the journal before acknowledging.
     pub journal: bool,
-    /// Chunks of newest-bucket queries in flight for first-seen customers,
-    /// each of up to 100 of them (`bucket::store::HEADS_PER_QUERY`).
+    /// Parallel newest-bucket loads for first-seen customers.
     pub load_concurrency: usize,
     /// Sharded mode: the unique indexes are scoped to the customer (they
     /// start with `customerId`, the shard key), every filter carries the
