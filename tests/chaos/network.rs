@@ -151,8 +151,8 @@ async fn s9_indeterminate_writes() {
         &[("TRADEBUCKET__BATCH__MAX_EVENTS", "100")],
     )
     .await;
-    mongo.drop_write_replies(pick(0.1, 0.1));
-    s.fault("drop 10% of write replies after the write, from the start".into());
+    mongo.drop_write_replies(0.2);
+    s.fault("drop 20% of write replies after the write, from the start".into());
     committed_share(&s, n, 0.95).await;
     mongo.drop_write_replies(0.0);
     let dropped = mongo.dropped_replies();

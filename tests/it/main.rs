@@ -2,6 +2,7 @@
 //! servers (`testkit::env` says which). One crate so they share one build.
 
 mod commands;
+mod network;
 mod ops;
 mod pipeline;
 mod plumbing;
