@@ -47,7 +47,13 @@ async fn an_operation_past_its_time_limit_is_abandoned_and_its_late_reply_never_
         .find_keys(&[(CustomerId::Int(1), "t:a".to_string())])
         .await;
     assert!(
-        matches!(late, Err(StoreError::TimedOut { operation: "find", .. })),
+        matches!(
+            late,
+            Err(StoreError::TimedOut {
+                operation: "find",
+                ..
+            })
+        ),
         "{late:?}"
     );
     proxy.delay(Duration::ZERO, Duration::ZERO);
