@@ -7,6 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// What `/readyz` says for a failed write that gave no reason.
+const WRITES_FAILING: &str = "MongoDB writes failing: being retried";
+
 /// What `/healthz` and `/readyz` report.
 #[derive(Debug, Default)]
 pub struct Health {
@@ -14,6 +17,13 @@ pub struct Health {
     pub subscribed: AtomicBool,
     /// The last MongoDB write succeeded.
     pub mongodb_ok: AtomicBool,
+    /// Why the last MongoDB write failed (a time limit that expired says
+    /// which), while `mongodb_ok` is false.
+    pub mongodb_failure: Mutex<Option<String>>,
+    /// Kafka does not answer: no broker connection is up, or the group
+    /// coordinator is lost, as librdkafka's statistics last said (see
+    /// `kafka::link_failure`).
+    pub kafka_unreachable: Mutex<Option<String>>,
     /// The last periodic ping succeeded (a worker with nothing to write
     /// would otherwise stay ready through a whole outage).
     pub mongodb_reachable: AtomicBool,
@@ -37,9 +47,47 @@ impl Health {
         self.last_tick_ms.store(now_ms(), Ordering::Relaxed);
     }
 
+    /// A MongoDB write failed; `reason` is what `/readyz` says until one
+    /// succeeds.
+    pub fn write_failed(&self, reason: String) {
+        if let Ok(mut r) = self.mongodb_failure.lock() {
+            *r = Some(reason);
+        }
+        self.mongodb_ok.store(false, Ordering::Relaxed);
+    }
+
+    /// A MongoDB write succeeded.
+    pub fn write_succeeded(&self) {
+        self.mongodb_ok.store(true, Ordering::Relaxed);
+    }
+
     /// `Err(reason)` when the worker should not receive traffic.
     pub fn readiness(&self) -> Result<(), Cow<'static, str>> {
         self.fixed_readiness().map_err(Cow::Borrowed)?;
+        if !self.mongodb_ok.load(Ordering::Relaxed) {
+            let said = self.mongodb_failure.lock().ok().and_then(|r| r.clone());
+            return Err(said.map_or(Cow::Borrowed(WRITES_FAILING), Cow::Owned));
+        }
+        self.remote_readiness()
+    }
+
+    /// The reasons set from outside the loop: MongoDB's ping, Kafka's
+    /// statistics, the partition watcher.
+    fn remote_readiness(&self) -> Result<(), Cow<'static, str>> {
+        if !self.mongodb_reachable.load(Ordering::Relaxed) {
+            return Err(Cow::Borrowed("MongoDB unreachable"));
+        }
+        if let Ok(Some(why)) = self.kafka_unreachable.lock().as_deref() {
+            return Err(Cow::Owned(format!("Kafka not answering: {why}")));
+        }
+        if self.dead_letters_failing.load(Ordering::Relaxed) {
+            return Err(Cow::Borrowed(
+                "the dead-letter topic refuses writes: being retried, the partition waits",
+            ));
+        }
+        if self.records_skipped.load(Ordering::Relaxed) {
+            return Err(Cow::Borrowed("the Kafka client skipped records it could not read: offsets are no longer committed"));
+        }
         match self.stalled_partitions.lock() {
             Ok(stalled) if !stalled.is_empty() => Err(Cow::Owned(format!(
                 "Kafka partitions not being read: {}",
@@ -54,14 +102,6 @@ impl Health {
             Err("draining: shutting down")
         } else if !self.subscribed.load(Ordering::Relaxed) {
             Err("starting: not yet subscribed to the consumer group")
-        } else if !self.mongodb_ok.load(Ordering::Relaxed) {
-            Err("MongoDB writes failing: being retried")
-        } else if !self.mongodb_reachable.load(Ordering::Relaxed) {
-            Err("MongoDB unreachable")
-        } else if self.dead_letters_failing.load(Ordering::Relaxed) {
-            Err("the dead-letter topic refuses writes: being retried, the partition waits")
-        } else if self.records_skipped.load(Ordering::Relaxed) {
-            Err("the Kafka client skipped records it could not read: offsets are no longer committed")
         } else {
             Ok(())
         }
@@ -113,6 +153,27 @@ mod tests {
         );
         h.draining.store(true, Ordering::Relaxed);
         assert_eq!(h.readiness().unwrap_err(), "draining: shutting down");
+    }
+
+    #[test]
+    fn readiness_says_why_writes_fail_and_that_kafka_is_silent() {
+        let h = Health::default();
+        h.subscribed.store(true, Ordering::Relaxed);
+        h.mongodb_reachable.store(true, Ordering::Relaxed);
+        h.write_failed("MongoDB writes failing: an update exceeded its 30s time limit".into());
+        assert_eq!(
+            h.readiness().unwrap_err(),
+            "MongoDB writes failing: an update exceeded its 30s time limit"
+        );
+        h.write_succeeded();
+        assert_eq!(h.readiness(), Ok(()));
+        *h.kafka_unreachable.lock().unwrap() = Some("no broker connection is up".into());
+        assert_eq!(
+            h.readiness().unwrap_err(),
+            "Kafka not answering: no broker connection is up"
+        );
+        *h.kafka_unreachable.lock().unwrap() = None;
+        assert_eq!(h.readiness(), Ok(()));
     }
 
     #[test]

@@ -61,6 +61,10 @@ const RETRIES_TOTAL: Def = (
     "tradebucket_retries_total",
     "Retries after transient failures, by what was retried.",
 );
+const TIMEOUTS_TOTAL: Def = (
+    "tradebucket_timeouts_total",
+    "Network operations that hit their time limit (timeouts.*), by operation: mongodb_read, mongodb_write, mongodb_write_concern, mongodb_ping, kafka_request, dead_letter.",
+);
 const OFFSET_COMMITS_TOTAL: Def = (
     "tradebucket_offset_commits_total",
     "Kafka offset commits, by result.",
@@ -75,6 +79,16 @@ const THROTTLED_SECONDS_TOTAL: Def = (
     "tradebucket_throttled_seconds_total",
     "Seconds the worker waited before writing because of rate_limit.events_per_second (consumption paused meanwhile).",
 );
+
+/// Every `operation` label of `tradebucket_timeouts_total` (a bounded set).
+pub const TIMEOUT_OPERATIONS: [&str; 6] = [
+    "mongodb_read",
+    "mongodb_write",
+    "mongodb_write_concern",
+    "mongodb_ping",
+    "kafka_request",
+    "dead_letter",
+];
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -94,6 +108,8 @@ pub struct Metrics {
     pub mongodb_write_duration: HistogramVec,
     /// kind: mongodb | dead_letter | commit
     pub retries: IntCounterVec,
+    /// operation: see [`TIMEOUT_OPERATIONS`]
+    pub timeouts: IntCounterVec,
     /// kind: see `kafka::CONSUMER_ERROR_KINDS`
     pub consumer_errors: IntCounterVec,
     /// result: ok | error
@@ -146,6 +162,7 @@ impl Metrics {
                 "operation",
             ),
             retries: counter_vec(&r, RETRIES_TOTAL, "kind"),
+            timeouts: counter_vec(&r, TIMEOUTS_TOTAL, "operation"),
             consumer_errors: counter_vec(&r, CONSUMER_ERRORS_TOTAL, "kind"),
             offset_commits: counter_vec(&r, OFFSET_COMMITS_TOTAL, "result"),
             rebalances: counter_vec(&r, REBALANCES_TOTAL, "kind"),
@@ -222,6 +239,9 @@ impl Metrics {
         }
         for kind in crate::kafka::CONSUMER_ERROR_KINDS {
             self.consumer_errors.with_label_values(&[kind]);
+        }
+        for operation in TIMEOUT_OPERATIONS {
+            self.timeouts.with_label_values(&[operation]);
         }
     }
 

@@ -26,6 +26,7 @@
 //! for the other.
 
 use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use mongodb::bson::{doc, rawdoc, Bson, Document, RawArrayBuf, RawBson, RawDocumentBuf};
@@ -118,11 +119,79 @@ pub enum StoreError {
     /// [`StatementError::refuses_data`]): retried like a failed request.
     #[error("MongoDB failed a statement (code {code}): {message}")]
     Statement { code: i32, message: String },
+    /// The operation did not answer within `timeouts.mongodb_operation`
+    /// and was abandoned (the driver closes a connection dropped mid-
+    /// operation, so its late reply is never read as another's). Like
+    /// [`StoreError::Transient`], the outcome is unknown: a write may have
+    /// been applied. Retried with backoff; the guards make that safe.
+    #[error("MongoDB {operation} did not answer within {limit:?} (timeouts.mongodb_operation); it may have been applied")]
+    TimedOut {
+        operation: &'static str,
+        limit: Duration,
+    },
+    /// The server applied the write but could not satisfy the write
+    /// concern (`wtimeout` expired, a majority lost): unknown whether it
+    /// will survive. Retried like a failed request.
+    #[error("MongoDB write concern not satisfied (code {code}): {message}")]
+    WriteConcern { code: i32, message: String },
     /// A response we cannot interpret, or an error that retrying will not
     /// change (bad credentials, missing privileges). Still retried by the
     /// pipeline, loudly, because dropping the batch would lose trades.
     #[error("MongoDB request failed: {0}")]
     Failed(String),
+}
+
+impl StoreError {
+    /// The `operation` label of `tradebucket_timeouts_total` when this is
+    /// a time limit that expired: ours, or the server's `wtimeout`.
+    pub fn timeout_operation(&self) -> Option<&'static str> {
+        match self {
+            StoreError::TimedOut { operation, .. } if *operation == "find" => Some("mongodb_read"),
+            StoreError::TimedOut { .. } => Some("mongodb_write"),
+            StoreError::WriteConcern { .. } => Some("mongodb_write_concern"),
+            StoreError::Transient(e) if is_write_concern_timeout(e) => {
+                Some("mongodb_write_concern")
+            }
+            _ => None,
+        }
+    }
+
+    /// Why writes fail, for `/readyz` (no secret: never the URI).
+    pub fn readiness_reason(&self) -> String {
+        match self {
+            StoreError::TimedOut { operation, limit } => format!(
+                "MongoDB writes failing: a {operation} exceeded its {limit:?} time limit (timeouts.mongodb_operation); being retried"
+            ),
+            StoreError::WriteConcern { code, .. } => format!(
+                "MongoDB writes failing: write concern not satisfied (code {code}, timeouts.mongodb_write_concern); being retried"
+            ),
+            _ if self.timeout_operation().is_some() => "MongoDB writes failing: write concern not satisfied in time (timeouts.mongodb_write_concern); being retried".to_string(),
+            _ => "MongoDB writes failing: being retried".to_string(),
+        }
+    }
+}
+
+/// A write-concern error the driver reports (on `insert_many`): the
+/// server's `wtimeout` or a majority it cannot reach.
+fn is_write_concern_timeout(e: &mongodb::error::Error) -> bool {
+    match *e.kind {
+        ErrorKind::Write(WriteFailure::WriteConcernError(_)) => true,
+        ErrorKind::InsertMany(ref f) => f.write_concern_error.is_some(),
+        _ => false,
+    }
+}
+
+/// Awaits `operation` for at most `limit`; an expired one is a
+/// [`StoreError::TimedOut`], dropped mid-flight (see there).
+async fn bounded<T, E: Into<StoreError>>(
+    operation: &'static str,
+    limit: Duration,
+    work: impl std::future::IntoFuture<Output = Result<T, E>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(limit, work).await {
+        Ok(done) => done.map_err(Into::into),
+        Err(_) => Err(StoreError::TimedOut { operation, limit }),
+    }
 }
 
 impl From<mongodb::error::Error> for StoreError {
@@ -210,6 +279,9 @@ pub struct BucketStore {
     /// `write_concern` as the raw `update` command spells it, encoded once.
     write_concern_doc: RawDocumentBuf,
     load_concurrency: usize,
+    /// `timeouts.mongodb_operation`: every operation's bound (see
+    /// [`bounded`]).
+    operation_limit: Duration,
 }
 
 impl BucketStore {
@@ -269,7 +341,13 @@ impl BucketStore {
             WriteAcknowledgment::Majority => Acknowledgment::Majority,
             WriteAcknowledgment::Nodes(n) => Acknowledgment::Nodes(n),
         };
-        let write_concern = WriteConcern::builder().w(w).journal(m.journal).build();
+        // wtimeout: a replica set that lost its majority answers with a
+        // write-concern error instead of holding the write without bound.
+        let write_concern = WriteConcern::builder()
+            .w(w)
+            .journal(m.journal)
+            .w_timeout(t.mongodb_write_concern)
+            .build();
         Ok(BucketStore {
             client,
             db,
@@ -279,6 +357,7 @@ impl BucketStore {
             write_concern_doc: write_concern_doc(&write_concern),
             write_concern,
             load_concurrency: m.load_concurrency,
+            operation_limit: t.mongodb_operation,
         })
     }
 
@@ -337,7 +416,8 @@ impl BucketStore {
             return Err(InitError::Layout(conflict));
         }
         let state = self.shard_state().await?;
-        self.coll.create_indexes(index_models(self.sharded)).await?;
+        let create = self.coll.create_indexes(index_models(self.sharded));
+        bounded("createIndexes", self.operation_limit, create).await?;
         match (&state, self.sharded) {
             (ShardState::NoMongos, true) => tracing::warn!(
                 "mongodb.sharded is true but the server is not mongos: the customer-scoped \
@@ -393,8 +473,14 @@ impl BucketStore {
 
     /// The collection's indexes; none if it does not exist yet.
     async fn index_models(&self) -> Result<Vec<IndexModel>, StoreError> {
-        match self.coll.list_indexes().await {
-            Ok(cursor) => Ok(cursor.try_collect().await?),
+        let listed = async { self.coll.list_indexes().await?.try_collect().await };
+        match tokio::time::timeout(self.operation_limit, listed)
+            .await
+            .map_err(|_| StoreError::TimedOut {
+                operation: "listIndexes",
+                limit: self.operation_limit,
+            })? {
+            Ok(models) => Ok(models),
             Err(e) if command_code(&e) == Some(NAMESPACE_NOT_FOUND) => Ok(Vec::new()),
             Err(e) => Err(e.into()),
         }
@@ -473,12 +559,13 @@ impl BucketStore {
                 "count": 1, "cap": 1, "capBytes": 1, "bytes": 1,
                 "customerId": 1, "wm": 1, "history.key": 1,
             })
+            .max_time(self.operation_limit)
             .build();
-        let doc = self
+        let find = self
             .reads
             .find_one(self.customer_filter(customer))
-            .with_options(options)
-            .await?;
+            .with_options(options);
+        let doc = bounded("find", self.operation_limit, find).await?;
         doc.map(|d| head_from_document(&d)).transpose()
     }
 
@@ -564,23 +651,27 @@ impl BucketStore {
         filter: Document,
         wanted: impl Fn(&str, &str) -> bool,
     ) -> Result<Vec<(String, String)>, StoreError> {
-        let mut cursor = self
-            .reads
-            .find(filter)
-            .projection(doc! {"history.key": 1})
-            .await?;
-        let mut found = Vec::new();
-        while let Some(d) = cursor.try_next().await? {
-            let id = d.get_str("_id").unwrap_or_default().to_string();
-            for entry in d.get_array("history").map(|a| a.as_slice()).unwrap_or(&[]) {
-                if let Some(k) = entry.as_document().and_then(|e| e.get_str("key").ok()) {
-                    if wanted(&id, k) {
-                        found.push((k.to_string(), id.clone()));
+        let read = async {
+            let mut cursor = self
+                .reads
+                .find(filter)
+                .projection(doc! {"history.key": 1})
+                .max_time(self.operation_limit)
+                .await?;
+            let mut found = Vec::new();
+            while let Some(d) = cursor.try_next().await? {
+                let id = d.get_str("_id").unwrap_or_default().to_string();
+                for entry in d.get_array("history").map(|a| a.as_slice()).unwrap_or(&[]) {
+                    if let Some(k) = entry.as_document().and_then(|e| e.get_str("key").ok()) {
+                        if wanted(&id, k) {
+                            found.push((k.to_string(), id.clone()));
+                        }
                     }
                 }
             }
-        }
-        Ok(found)
+            Ok::<_, mongodb::error::Error>(found)
+        };
+        bounded("find", self.operation_limit, read).await
     }
 
     /// Runs fill statements (unordered: each is its own customer's).
@@ -596,15 +687,13 @@ impl BucketStore {
             for statement in chunk {
                 updates.push(statement);
             }
-            let reply = self
-                .db
-                .run_raw_command(rawdoc! {
-                    "update": self.coll.name(),
-                    "updates": updates,
-                    "ordered": false,
-                    "writeConcern": self.write_concern_doc.clone(),
-                })
-                .await?;
+            let command = self.db.run_raw_command(rawdoc! {
+                "update": self.coll.name(),
+                "updates": updates,
+                "ordered": false,
+                "writeConcern": self.write_concern_doc.clone(),
+            });
+            let reply = bounded("update", self.operation_limit, command).await?;
             let part = parse_write_reply(&reply)?;
             outcome.matched += part.0;
             outcome.errors.extend(part.1.into_iter().map(|mut e| {
@@ -634,7 +723,14 @@ impl BucketStore {
             .build();
         let raw = self.coll.clone_with_type::<RawDocumentBuf>();
         let docs_len = docs.len();
-        match raw.insert_many(docs).with_options(options).await {
+        let insert = raw.insert_many(docs).with_options(options);
+        let Ok(result) = tokio::time::timeout(self.operation_limit, insert).await else {
+            return Err(StoreError::TimedOut {
+                operation: "insert",
+                limit: self.operation_limit,
+            });
+        };
+        match result {
             Ok(_) => Ok(InsertOutcome::default()),
             Err(e) => match *e.kind {
                 ErrorKind::InsertMany(ref failure) if failure.write_concern_error.is_none() => {
@@ -698,16 +794,21 @@ impl BucketStore {
                     clause
                 })
                 .collect();
-            let mut cursor = self
-                .reads
-                .find(doc! {"$or": any})
-                .projection(doc! {"_id": 1})
-                .await?;
-            while let Some(d) = cursor.try_next().await? {
-                if let Ok(id) = d.get_str("_id") {
-                    held.insert(id.to_string());
+            let read = async {
+                let mut cursor = self
+                    .reads
+                    .find(doc! {"$or": any})
+                    .projection(doc! {"_id": 1})
+                    .max_time(self.operation_limit)
+                    .await?;
+                while let Some(d) = cursor.try_next().await? {
+                    if let Ok(id) = d.get_str("_id") {
+                        held.insert(id.to_string());
+                    }
                 }
-            }
+                Ok::<_, mongodb::error::Error>(())
+            };
+            bounded("find", self.operation_limit, read).await?;
         }
         Ok(held)
     }
@@ -875,6 +976,12 @@ fn write_concern_doc(wc: &WriteConcern) -> RawDocumentBuf {
     if let Some(j) = wc.journal {
         d.append("j", j);
     }
+    if let Some(limit) = wc.w_timeout {
+        d.append(
+            "wtimeout",
+            i64::try_from(limit.as_millis()).unwrap_or(i64::MAX),
+        );
+    }
     d
 }
 
@@ -884,9 +991,10 @@ fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), Sto
     if let Ok(wce) = reply.get_document("writeConcernError") {
         let code = wce.get_i32("code").unwrap_or(-1);
         let message = wce.get_str("errmsg").unwrap_or_default();
-        return Err(StoreError::Failed(format!(
-            "write concern error {code}: {message}"
-        )));
+        return Err(StoreError::WriteConcern {
+            code,
+            message: message.to_string(),
+        });
     }
     let n = match reply.get("n") {
         Some(Bson::Int32(n)) => *n as u64,
@@ -1077,6 +1185,47 @@ fn history(trades: &[&Trade]) -> RawArrayBuf {
 
 #[cfg(test)]
 mod tests {
+    #[tokio::test(start_paused = true)]
+    async fn an_operation_past_its_limit_is_a_transient_timeout() {
+        let limit = Duration::from_secs(30);
+        let hung = std::future::pending::<Result<(), StoreError>>();
+        let e = bounded("update", limit, hung).await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                StoreError::TimedOut {
+                    operation: "update",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(e.timeout_operation(), Some("mongodb_write"));
+        assert!(
+            e.readiness_reason().contains("time limit"),
+            "{}",
+            e.readiness_reason()
+        );
+        let quick = async { Ok::<_, StoreError>(7) };
+        assert_eq!(bounded("find", limit, quick).await.unwrap(), 7);
+        let wce = StoreError::WriteConcern {
+            code: 64,
+            message: "waiting for replication timed out".into(),
+        };
+        assert_eq!(wce.timeout_operation(), Some("mongodb_write_concern"));
+    }
+
+    #[test]
+    fn the_raw_write_concern_carries_wtimeout() {
+        let wc = WriteConcern::builder()
+            .w(Acknowledgment::Majority)
+            .journal(true)
+            .w_timeout(Duration::from_secs(20))
+            .build();
+        let d = write_concern_doc(&wc);
+        assert_eq!(d.get_i64("wtimeout").unwrap(), 20_000);
+    }
+
     use super::*;
 
     #[test]

@@ -238,6 +238,28 @@ pub struct TimeoutSettings {
     /// Time limit of one of those pings.
     #[serde(with = "humantime_serde")]
     pub mongodb_ping: Duration,
+    /// Time limit of every other MongoDB operation the worker sends (a
+    /// find, an `update` or `insert` command), waited for on the client:
+    /// the driver (3.9) has no operation timeout of its own, and a
+    /// connection whose replies stop would hold a write without bound.
+    /// Reads also carry it as `maxTimeMS`. An expired one is a transient
+    /// failure, retried with backoff; a write it cut short is
+    /// indeterminate, which the writer's guards make safe to retry.
+    #[serde(with = "humantime_serde")]
+    pub mongodb_operation: Duration,
+    /// `wtimeout` of the write concern: how long the server waits for
+    /// `mongodb.write_concern` to be satisfied before it answers with a
+    /// write-concern error (the write may still be applied). Below
+    /// `mongodb_operation`, so the server's answer comes first.
+    #[serde(with = "humantime_serde")]
+    pub mongodb_write_concern: Duration,
+    /// librdkafka `socket.timeout.ms` of every Kafka client: the time
+    /// limit of each request to a broker (fetch, metadata, join, offset
+    /// commit, ListOffsets, produce). A request that expires disconnects
+    /// the broker and is retried by librdkafka. Below
+    /// `liveness_stall`: a synchronous commit blocks the loop up to it.
+    #[serde(with = "humantime_serde")]
+    pub kafka_request: Duration,
     /// librdkafka `message.timeout.ms` of the dead-letter producer: a dead
     /// letter not acknowledged within it fails, and is sent again. Also the
     /// longest wait for room in the producer's local queue.
@@ -457,12 +479,42 @@ impl Settings {
             ("timeouts.mongodb_connect", t.mongodb_connect),
             ("timeouts.mongodb_ping_interval", t.mongodb_ping_interval),
             ("timeouts.mongodb_ping", t.mongodb_ping),
+            ("timeouts.mongodb_operation", t.mongodb_operation),
+            ("timeouts.mongodb_write_concern", t.mongodb_write_concern),
+            ("timeouts.kafka_request", t.kafka_request),
             ("timeouts.dead_letter_delivery", t.dead_letter_delivery),
             ("timeouts.liveness_stall", t.liveness_stall),
             ("timeouts.partition_stall", t.partition_stall),
         ];
         if let Some((field, _)) = limits.iter().find(|(_, d)| d.is_zero()) {
             return Err(invalid(field, "must be positive"));
+        }
+        self.validate_time_limit_order()
+    }
+
+    /// Bounds that must nest: the server's write-concern answer before the
+    /// client gives up on the operation, and every wait that blocks the
+    /// loop's thread within the liveness bound, so `/healthz` never fails
+    /// while the worker waits on a bound it set itself.
+    fn validate_time_limit_order(&self) -> Result<(), ConfigError> {
+        let t = &self.timeouts;
+        if t.mongodb_write_concern >= t.mongodb_operation {
+            return Err(invalid(
+                "timeouts.mongodb_write_concern",
+                format!(
+                    "must be below timeouts.mongodb_operation ({:?})",
+                    t.mongodb_operation
+                ),
+            ));
+        }
+        if t.kafka_request >= t.liveness_stall {
+            return Err(invalid(
+                "timeouts.kafka_request",
+                format!(
+                    "must be below timeouts.liveness_stall ({:?}): a synchronous commit blocks the loop up to it",
+                    t.liveness_stall
+                ),
+            ));
         }
         Ok(())
     }
@@ -588,6 +640,16 @@ mod tests {
                 "shutdown.drain_timeout",
             ),
             ("TRADEBUCKET__LOG__FORMAT", "xml", "log.format"),
+            (
+                "TRADEBUCKET__TIMEOUTS__MONGODB_WRITE_CONCERN",
+                "30s",
+                "timeouts.mongodb_write_concern",
+            ),
+            (
+                "TRADEBUCKET__TIMEOUTS__KAFKA_REQUEST",
+                "60s",
+                "timeouts.kafka_request",
+            ),
             (
                 "TRADEBUCKET__MONGODB__URI",
                 "mongodb://h:99999/",

@@ -28,6 +28,7 @@ use rdkafka::TopicPartitionList;
 use secrecy::ExposeSecret;
 
 use crate::config::Settings;
+use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::offsets::TopicPartition;
 
@@ -168,6 +169,9 @@ pub struct ConsumerCtx {
     stalls: Arc<Mutex<StallWatch>>,
     metrics: Metrics,
     logs: ScrubbedLogs,
+    /// Where the statistics callback says whether Kafka answers
+    /// (`Health::kafka_unreachable`, read by `/readyz`).
+    health: Arc<Health>,
 }
 
 impl ClientContext for ConsumerCtx {
@@ -176,10 +180,17 @@ impl ClientContext for ConsumerCtx {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
+        if timed_out(&error) {
+            self.metrics
+                .timeouts
+                .with_label_values(&["kafka_request"])
+                .inc();
+        }
         self.logs.client_error(&error, reason);
     }
 
     fn stats(&self, stats: Statistics) {
+        self.judge_link(&stats);
         // Only partitions this member owns: a partition handed to another
         // member is reported there, and a stale series here would make a
         // group-wide sum of lag wrong.
@@ -212,6 +223,25 @@ impl ClientContext for ConsumerCtx {
 }
 
 impl ConsumerCtx {
+    /// Sets `Health::kafka_unreachable` from one statistics report, and
+    /// logs when that changes.
+    fn judge_link(&self, stats: &Statistics) {
+        let brokers = stats
+            .brokers
+            .values()
+            .map(|b| (b.name.as_str(), b.source.as_str(), b.state.as_str()));
+        let failure = link_failure(brokers, stats.cgrp.as_ref().map(|g| g.state.as_str()));
+        let Ok(mut shown) = self.health.kafka_unreachable.lock() else {
+            return;
+        };
+        match (&*shown, &failure) {
+            (None, Some(why)) => tracing::warn!(reason = %why, "Kafka not answering: not ready"),
+            (Some(_), None) => tracing::info!("Kafka answering again"),
+            _ => {}
+        }
+        *shown = failure;
+    }
+
     fn observe(&self, tp: &TopicPartition, p: &rdkafka::statistics::Partition) {
         let seen = Observed {
             next: p.next_offset,
@@ -309,6 +339,51 @@ impl ConsumerContext for ConsumerCtx {
     }
 }
 
+/// Why Kafka does not answer, from librdkafka's statistics: no connection
+/// to a real broker is up (`brokers`: name, source, state; librdkafka's
+/// logical and internal entries are not connections), or the consumer
+/// group has no working coordinator (`group_state` other than "up").
+/// `None` when both are well. A broker that stops answering keeps its
+/// connection "UP" until a request exceeds `timeouts.kafka_request`;
+/// librdkafka then disconnects, and its reconnection hangs the same way.
+pub fn link_failure<'a>(
+    brokers: impl Iterator<Item = (&'a str, &'a str, &'a str)>,
+    group_state: Option<&str>,
+) -> Option<String> {
+    let mut real: Vec<(&str, &str)> = brokers
+        .filter(|(_, source, _)| matches!(*source, "configured" | "learned"))
+        .map(|(name, _, state)| (name, state))
+        .collect();
+    real.sort_unstable();
+    if !real.is_empty() && !real.iter().any(|(_, state)| *state == "UP") {
+        let states: Vec<String> = real.iter().map(|(n, s)| format!("{n}: {s}")).collect();
+        return Some(format!(
+            "no broker connection is up ({})",
+            states.join(", ")
+        ));
+    }
+    match group_state {
+        Some(state) if state != "up" => {
+            Some(format!("consumer group coordinator state \"{state}\""))
+        }
+        _ => None,
+    }
+}
+
+/// Whether `e` is a time limit that expired: a request
+/// (`timeouts.kafka_request`), an operation, or a dead letter's delivery
+/// (`timeouts.dead_letter_delivery`).
+pub fn timed_out(e: &KafkaError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::RequestTimedOut
+                | RDKafkaErrorCode::OperationTimedOut
+                | RDKafkaErrorCode::MessageTimedOut
+        )
+    )
+}
+
 /// Layering: our tunables, then the operator's `kafka.options` (security,
 /// tuning), then the settings the guarantees depend on, which no option
 /// may override.
@@ -321,6 +396,10 @@ fn client_config(
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &k.brokers)
         .set("client.id", &k.client_id)
+        // Every request's time limit, for every client (fetch, join,
+        // heartbeat, commit, ListOffsets, produce): a broker that stops
+        // answering is disconnected and retried, never waited on.
+        .set("socket.timeout.ms", millis(settings.timeouts.kafka_request))
         .set_log_level(RDKafkaLogLevel::Warning);
     for (key, value) in tunables {
         c.set(*key, value);
@@ -404,7 +483,11 @@ pub struct GroupConsumer {
     pub stalls: Arc<Mutex<StallWatch>>,
 }
 
-pub fn consumer(settings: &Settings, metrics: Metrics) -> Result<GroupConsumer, SetupError> {
+pub fn consumer(
+    settings: &Settings,
+    metrics: Metrics,
+    health: Arc<Health>,
+) -> Result<GroupConsumer, SetupError> {
     let (events, received) = channel();
     let stalls = Arc::new(Mutex::new(StallWatch::new(
         settings.timeouts.partition_stall,
@@ -415,6 +498,7 @@ pub fn consumer(settings: &Settings, metrics: Metrics) -> Result<GroupConsumer, 
         stalls: stalls.clone(),
         metrics,
         logs: ScrubbedLogs::new(settings),
+        health,
     };
     let consumer: StreamConsumer<ConsumerCtx> = consumer_config(settings)
         .create_with_context(context)
@@ -552,6 +636,35 @@ fn millis(d: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn kafka_is_unreachable_when_no_real_broker_is_up_or_the_group_has_no_coordinator() {
+        let up = [
+            ("127.0.0.1:9092/bootstrap", "configured", "INIT"),
+            ("127.0.0.1:9092/1", "learned", "UP"),
+            ("GroupCoordinator", "logical", "UP"),
+        ];
+        assert_eq!(link_failure(up.into_iter(), Some("up")), None);
+        let hung = [
+            ("127.0.0.1:9092/1", "learned", "APIVERSION_QUERY"),
+            ("GroupCoordinator", "logical", "UP"),
+            (":0/internal", "internal", "UP"),
+        ];
+        assert_eq!(
+            link_failure(hung.into_iter(), Some("up")).as_deref(),
+            Some("no broker connection is up (127.0.0.1:9092/1: APIVERSION_QUERY)")
+        );
+        let lost = [("127.0.0.1:9092/1", "learned", "UP")];
+        assert_eq!(
+            link_failure(lost.into_iter(), Some("wait-coord")).as_deref(),
+            Some("consumer group coordinator state \"wait-coord\"")
+        );
+        assert_eq!(
+            link_failure(lost.into_iter(), None),
+            None,
+            "a producer has no group"
+        );
+    }
+
     use super::*;
     use std::collections::BTreeMap;
 

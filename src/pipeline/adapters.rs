@@ -182,6 +182,7 @@ impl BucketSink for BucketWriter {
 pub(crate) async fn watch_mongodb(
     store: BucketStore,
     health: Arc<Health>,
+    metrics: Metrics,
     timeouts: TimeoutSettings,
     shutdown: CancellationToken,
 ) {
@@ -190,10 +191,11 @@ pub(crate) async fn watch_mongodb(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(timeouts.mongodb_ping_interval) => {}
         }
-        let ok = matches!(
-            tokio::time::timeout(timeouts.mongodb_ping, store.ping()).await,
-            Ok(Ok(()))
-        );
+        let ping = tokio::time::timeout(timeouts.mongodb_ping, store.ping()).await;
+        if ping.is_err() {
+            metrics.timeouts.with_label_values(&["mongodb_ping"]).inc();
+        }
+        let ok = matches!(ping, Ok(Ok(())));
         if health.mongodb_reachable.swap(ok, Ordering::Relaxed) != ok {
             if ok {
                 tracing::info!("MongoDB reachable again");

@@ -92,6 +92,7 @@ impl Pipeline {
         tokio::spawn(watch_mongodb(
             store.clone(),
             health.clone(),
+            metrics.clone(),
             settings.timeouts.clone(),
             shutdown.clone(),
         ));
@@ -102,7 +103,7 @@ impl Pipeline {
             metrics.clone(),
         );
         let dead_letters = KafkaDeadLetters::new(kafka::producer(&settings)?, settings.clone());
-        let group = kafka::consumer(&settings, metrics.clone())?;
+        let group = kafka::consumer(&settings, metrics.clone(), health.clone())?;
         tokio::spawn(watch_partitions(
             group.stalls.clone(),
             kafka::end_offsets_client(&settings)?,
@@ -421,11 +422,14 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             let write = self.buckets.write(events, &mut outcomes);
             match ticking(&health, write).await {
                 Ok(stats) => {
-                    self.health.mongodb_ok.store(true, Ordering::Relaxed);
+                    self.health.write_succeeded();
                     return (outcomes, stats);
                 }
                 Err(e) => {
-                    self.health.mongodb_ok.store(false, Ordering::Relaxed);
+                    self.health.write_failed(e.readiness_reason());
+                    if let Some(operation) = e.timeout_operation() {
+                        self.metrics.timeouts.with_label_values(&[operation]).inc();
+                    }
                     self.metrics.retries.with_label_values(&["mongodb"]).inc();
                     let wait = backoff.next_wait();
                     tracing::warn!(error = %error_chain(&e), retry_in = ?wait, "bucket write failed; retrying");
@@ -489,6 +493,12 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             .retries
             .with_label_values(&["dead_letter"])
             .inc();
+        if error.as_ref().is_some_and(kafka::timed_out) {
+            self.metrics
+                .timeouts
+                .with_label_values(&["dead_letter"])
+                .inc();
+        }
         let wait = backoff.next_wait();
         tracing::error!(
             failed,

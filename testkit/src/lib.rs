@@ -13,6 +13,8 @@
 //!   -9, SIGTERM, exit codes, log files) and `audit --json`;
 //! - [`proxy`]: a MongoDB wire proxy that rewrites replies (statement
 //!   errors the local server never sends);
+//! - [`netfault`]: a TCP proxy that black-holes, delays, resets, and
+//!   drops MongoDB write replies after the server applied them;
 //! - [`raw`]: record batches written byte by byte (offset gaps,
 //!   transaction markers);
 //! - [`servers`]: private MongoDB-protocol, Kafka-protocol and Prometheus
@@ -23,6 +25,7 @@
 
 pub mod env;
 pub mod event;
+pub mod netfault;
 pub mod poll;
 pub mod process;
 pub mod proxy;
@@ -36,6 +39,7 @@ pub use env::{
     produce_fast_with, unique, Produced, TestEnv,
 };
 pub use event::{decoded, trade, TradeEvent};
+pub use netfault::{FaultProxy, Protocol};
 pub use poll::{eventually, poll_until};
 pub use process::{audit_json, Fleet, Log, WorkerProcess};
 pub use proxy::MongoProxy;

@@ -103,7 +103,7 @@ async fn relay(client: TcpStream, server: TcpStream, faults: Arc<Mutex<Faults>>)
     }
 }
 
-async fn read_message(from: &mut (impl AsyncReadExt + Unpin)) -> Option<Vec<u8>> {
+pub(crate) async fn read_message(from: &mut (impl AsyncReadExt + Unpin)) -> Option<Vec<u8>> {
     let mut len = [0u8; 4];
     from.read_exact(&mut len).await.ok()?;
     let total = i32::from_le_bytes(len) as usize;
@@ -113,13 +113,13 @@ async fn read_message(from: &mut (impl AsyncReadExt + Unpin)) -> Option<Vec<u8>>
     Some(message)
 }
 
-fn i32_at(b: &[u8], at: usize) -> i32 {
+pub(crate) fn i32_at(b: &[u8], at: usize) -> i32 {
     i32::from_le_bytes(b[at..at + 4].try_into().unwrap())
 }
 
 /// The request id and command name of an OP_MSG whose first section is its
 /// body.
-fn command_of(message: &[u8]) -> Option<(i32, String)> {
+pub(crate) fn command_of(message: &[u8]) -> Option<(i32, String)> {
     let (_, body) = body_of(message)?;
     let name = body.keys().next()?.clone();
     Some((i32_at(message, 4), name))

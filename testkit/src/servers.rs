@@ -142,6 +142,9 @@ pub struct PrivateKafka {
     pub port: u16,
     dir: PathBuf,
     child: Option<Child>,
+    /// The address clients are told to use (metadata), when it is not
+    /// the broker's own: a fault proxy in front of it.
+    advertised: Option<String>,
 }
 
 impl PrivateKafka {
@@ -150,10 +153,18 @@ impl PrivateKafka {
     }
 
     pub async fn start() -> PrivateKafka {
+        Self::start_advertising(free_port(), None).await
+    }
+
+    /// A broker on `port` that advertises `advertised` (`host:port`) in its
+    /// metadata, so every client, once bootstrapped, connects there: how a
+    /// [`crate::FaultProxy`] gets between the broker and its clients.
+    pub async fn start_advertising(port: u16, advertised: Option<String>) -> PrivateKafka {
         let mut k = PrivateKafka {
-            port: free_port(),
+            port,
             dir: data_dir("kafka"),
             child: None,
+            advertised,
         };
         k.restart().await;
         k
@@ -167,11 +178,15 @@ impl PrivateKafka {
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "already running");
         let url = format!("tcp://127.0.0.1:{}", self.port);
+        let advertised = self
+            .advertised
+            .as_ref()
+            .map_or_else(|| url.clone(), |a| format!("tcp://{a}"));
         // The sqlite path is relative to the working directory (STACK.md).
         let child = Command::new(Self::binary())
             .current_dir(&self.dir)
             .args(["broker", "--listener-url", &url])
-            .args(["--advertised-listener-url", &url])
+            .args(["--advertised-listener-url", &advertised])
             .args(["--storage-engine", "sqlite://tansu.db"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())

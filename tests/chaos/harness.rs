@@ -16,8 +16,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use serde_json::{json, Value};
 
 use testkit::{
-    poll_until, produce_fast, produce_fast_with, trade, Fleet, PrivateKafka, PrivateMongo,
-    Produced, TestEnv, WorkerProcess,
+    free_port, poll_until, produce_fast, produce_fast_with, trade, FaultProxy, Fleet, PrivateKafka,
+    PrivateMongo, Produced, Protocol, TestEnv, WorkerProcess,
 };
 use tradebucket::cli::{synthetic_event, ProduceOptions};
 
@@ -85,10 +85,52 @@ pub struct Stack {
     group: BaseConsumer,
 }
 
+/// Fault proxies in front of a stack's two servers (see
+/// [`Stack::start_behind_proxies`]).
+pub struct Proxies {
+    pub kafka: FaultProxy,
+    pub mongo: FaultProxy,
+}
+
+impl Proxies {
+    /// The workers' settings that send them through the proxies.
+    pub fn vars(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("TRADEBUCKET__KAFKA__BROKERS", self.kafka.address()),
+            (
+                "TRADEBUCKET__MONGODB__URI",
+                format!("mongodb://{}/?directConnection=true", self.mongo.address()),
+            ),
+        ]
+    }
+}
+
 impl Stack {
     pub async fn start(name: &str, partitions: i32) -> Stack {
         let kafka = PrivateKafka::start().await;
         let mongo = PrivateMongo::start().await;
+        Self::on(kafka, mongo, name, partitions).await
+    }
+
+    /// A stack whose broker advertises a fault proxy, and a fault proxy in
+    /// front of its MongoDB server. The harness's own MongoDB client goes
+    /// direct; Kafka clients all pass the proxy once bootstrapped.
+    pub async fn start_behind_proxies(name: &str, partitions: i32) -> (Stack, Proxies) {
+        let port = free_port();
+        let kafka_proxy = FaultProxy::start(&format!("127.0.0.1:{port}"), 0, Protocol::Tcp).await;
+        let kafka = PrivateKafka::start_advertising(port, Some(kafka_proxy.address())).await;
+        let mongo = PrivateMongo::start().await;
+        let mongo_proxy =
+            FaultProxy::start(&format!("127.0.0.1:{}", mongo.port), 0, Protocol::Mongo).await;
+        let stack = Self::on(kafka, mongo, name, partitions).await;
+        let proxies = Proxies {
+            kafka: kafka_proxy,
+            mongo: mongo_proxy,
+        };
+        (stack, proxies)
+    }
+
+    async fn on(kafka: PrivateKafka, mongo: PrivateMongo, name: &str, partitions: i32) -> Stack {
         let env = TestEnv::on(kafka.brokers(), mongo.uri(), name, partitions).await;
         let group = env.group_client();
         Stack {
@@ -546,6 +588,16 @@ impl Scenario {
         extra: &[(&str, &str)],
     ) -> Scenario {
         let stack = Stack::start(name, partitions).await;
+        Self::on(stack, name, title, extra)
+    }
+
+    /// A scenario on `stack` (one behind fault proxies, say).
+    pub fn on(
+        stack: Stack,
+        name: &'static str,
+        title: &'static str,
+        extra: &[(&str, &str)],
+    ) -> Scenario {
         let vars = stack.vars(extra);
         Scenario {
             name,

@@ -14,5 +14,6 @@
 mod fuzz;
 mod harness;
 mod hostile;
+mod network;
 mod scenarios;
 mod verdict;

@@ -3,6 +3,7 @@
 
 mod commands;
 mod dlq;
+mod network;
 mod operator;
 mod ops;
 mod pipeline;

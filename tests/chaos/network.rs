@@ -1,0 +1,313 @@
+//! Scenarios 9-12 (issue #17): the network lies. Both servers sit behind
+//! `testkit::FaultProxy`; the worker reaches them only through it, and
+//! never sees a refused connection: replies are dropped after the write
+//! was applied, connections hang, links turn slow. Each ends in
+//! `Scenario::finish` (every trade once, dense and in order, dead letters
+//! exact, offsets at the end, every exit 0), and checks that `/healthz`
+//! never failed while the worker waited on a bound of its own.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use testkit::{free_port, http_get, poll_until, WorkerProcess};
+
+use crate::harness::*;
+
+/// Time limits in these scenarios: short, so a reduced run spends its time
+/// on the faults and not on waiting (the defaults are 30 s / 20 s / 30 s).
+const LIMITS: [(&str, &str); 3] = [
+    ("TRADEBUCKET__TIMEOUTS__MONGODB_OPERATION", "10s"),
+    ("TRADEBUCKET__TIMEOUTS__MONGODB_WRITE_CONCERN", "5s"),
+    ("TRADEBUCKET__TIMEOUTS__KAFKA_REQUEST", "10s"),
+];
+
+/// What the probes of `/healthz` and `/readyz` saw.
+#[derive(Default)]
+struct Probed {
+    probes: AtomicUsize,
+    unhealthy: AtomicUsize,
+    not_ready: Mutex<BTreeSet<String>>,
+}
+
+/// Probes both endpoints every 500 ms until dropped (the task ends with
+/// the returned guard's handle aborted).
+struct Prober {
+    port: u16,
+    seen: Arc<Probed>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Prober {
+    fn start(port: u16) -> Prober {
+        let seen = Arc::new(Probed::default());
+        let shared = seen.clone();
+        let task = tokio::spawn(async move {
+            let base = format!("http://127.0.0.1:{port}");
+            loop {
+                shared.probes.fetch_add(1, Ordering::Relaxed);
+                if !matches!(http_get(&format!("{base}/healthz")).await, Some((200, _))) {
+                    shared.unhealthy.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some((code, body)) = http_get(&format!("{base}/readyz")).await {
+                    if code != 200 {
+                        shared
+                            .not_ready
+                            .lock()
+                            .unwrap()
+                            .insert(body.trim().to_string());
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        });
+        Prober { port, seen, task }
+    }
+
+    /// After a heal: waits (up to 120 s) for `/readyz` to answer 200 again,
+    /// without a restart; notes how long it took, or fails the scenario.
+    async fn ready_again(&self, s: &mut Scenario, healed: Instant) {
+        let readyz = format!("http://127.0.0.1:{}/readyz", self.port);
+        let ready = poll_until(
+            Duration::from_secs(120),
+            Duration::from_millis(200),
+            || async { matches!(http_get(&readyz).await, Some((200, _))) },
+        )
+        .await;
+        s.note(
+            "seconds_to_ready_after_heal",
+            json!(healed.elapsed().as_secs_f64()),
+        );
+        if !ready {
+            s.failures
+                .push("not ready again within 120 s of the heal".into());
+        }
+    }
+
+    /// Stops probing; records what was seen, and fails the scenario on a
+    /// failed liveness probe.
+    fn stop(self, s: &mut Scenario) -> BTreeSet<String> {
+        self.task.abort();
+        let unhealthy = self.seen.unhealthy.load(Ordering::Relaxed);
+        let reasons = self.seen.not_ready.lock().unwrap().clone();
+        s.note(
+            "healthz_probes",
+            json!(self.seen.probes.load(Ordering::Relaxed)),
+        );
+        s.note("healthz_failures", json!(unhealthy));
+        s.note("readyz_reasons", json!(reasons));
+        if unhealthy > 0 {
+            s.failures.push(format!(
+                "/healthz failed {unhealthy} times during the scenario"
+            ));
+        }
+        reasons
+    }
+}
+
+/// A scenario behind fault proxies, with the first `now` of its `n`
+/// events produced, one worker started, ready, and probed.
+async fn start(
+    name: &'static str,
+    title: &'static str,
+    seed: u64,
+    (n, now): (usize, usize),
+    extra: &[(&str, &str)],
+) -> (
+    Scenario,
+    testkit::FaultProxy,
+    testkit::FaultProxy,
+    Vec<Rec>,
+    Vec<(i32, i64)>,
+    WorkerProcess,
+    Prober,
+) {
+    let (stack, proxies) = Stack::start_behind_proxies(name, 4).await;
+    let mut all: Vec<(&str, &str)> = LIMITS.to_vec();
+    all.extend_from_slice(extra);
+    let mut s = Scenario::on(stack, name, title, &all);
+    let recs = number(good_events(seed, n, true));
+    let placed = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[..now]).await;
+    let port = free_port();
+    let mut vars = proxies.vars();
+    vars.push(("TRADEBUCKET__HTTP__LISTEN", format!("127.0.0.1:{port}")));
+    let w = s.fleet.start_with(&vars);
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    let ready = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async { matches!(http_get(&readyz).await, Some((200, _))) },
+    )
+    .await;
+    if !ready {
+        s.failures.push("never ready before the fault".into());
+    }
+    let prober = Prober::start(port);
+    (s, proxies.kafka, proxies.mongo, recs, placed, w, prober)
+}
+
+/// Waits until the group committed `share` of `n`.
+async fn committed_share(s: &Scenario, n: usize, share: f64) {
+    let target = (n as f64 * share) as i64;
+    poll_until(Duration::from_secs(300), POLL, || async {
+        s.stack.committed_total() >= target
+    })
+    .await;
+}
+
+/// 9. Indeterminate writes: replies to `update`/`insert` dropped after
+///    MongoDB applied them, and the connection cut, at random moments,
+///    hundreds of times, in small batches (many writes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s9_indeterminate_writes() {
+    let n = events(10_000, 100_000);
+    let (mut s, _kafka, mongo, recs, placed, w, prober) = start(
+        "s9-indeterminate-writes",
+        "Write replies dropped after MongoDB applied the write, then the connection cut",
+        9,
+        (n, n),
+        &[("TRADEBUCKET__BATCH__MAX_EVENTS", "100")],
+    )
+    .await;
+    mongo.drop_write_replies(0.2);
+    s.fault("drop 20% of write replies after the write, from the start".into());
+    committed_share(&s, n, 0.95).await;
+    mongo.drop_write_replies(0.0);
+    let dropped = mongo.dropped_replies();
+    s.fault(format!("stopped dropping after {dropped} dropped replies"));
+    s.note("dropped_write_replies", json!(dropped));
+    s.note("mongodb_connections", json!(mongo.connections()));
+    if dropped < pick(20, 200) {
+        s.failures.push(format!("only {dropped} replies dropped"));
+    }
+    prober.stop(&mut s);
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// 10. MongoDB black-holed mid-stream (connections kept open, nothing
+///     answered), then healed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s10_mongodb_black_hole() {
+    let n = events(10_000, 100_000);
+    let hole = Duration::from_secs(pick(25, 60));
+    let (mut s, _kafka, mongo, recs, placed, w, prober) = start(
+        "s10-mongodb-black-hole",
+        "MongoDB black-holed mid-stream, then healed",
+        10,
+        (n, n),
+        &[],
+    )
+    .await;
+    committed_share(&s, n, 0.3).await;
+    mongo.black_hole();
+    s.fault(format!(
+        "black-hole MongoDB for {} s at {} committed",
+        hole.as_secs(),
+        s.stack.committed_total()
+    ));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let frozen = s.stack.committed_total();
+    tokio::time::sleep(hole - Duration::from_secs(3)).await;
+    let during = s.stack.committed_total() - frozen;
+    mongo.heal();
+    s.fault("healed".into());
+    s.note("commits_during_black_hole", json!(during));
+    if during != 0 {
+        s.failures.push(format!(
+            "{during} offsets committed while MongoDB was black-holed"
+        ));
+    }
+    let healed = Instant::now();
+    committed_share(&s, n, 1.0).await;
+    s.note(
+        "seconds_to_end_after_heal",
+        json!(healed.elapsed().as_secs_f64()),
+    );
+    prober.ready_again(&mut s, healed).await;
+    let reasons = prober.stop(&mut s);
+    if !reasons.iter().any(|r| r.contains("MongoDB")) {
+        s.failures
+            .push(format!("readiness never named MongoDB: {reasons:?}"));
+    }
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// 11. Kafka black-holed for longer than the session timeout, then healed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s11_kafka_black_hole() {
+    let n = events(10_000, 100_000);
+    // Reduced: a 10 s session (drain below it), a 20 s hole; full: the
+    // scenarios' 30 s session, a 45 s hole.
+    let (session, drain, hole) = pick(("10s", "5s", 20), ("30s", "10s", 45));
+    let (mut s, kafka, _mongo, recs, placed, w, prober) = start(
+        "s11-kafka-black-hole",
+        "Kafka black-holed for longer than the session timeout, then healed",
+        11,
+        (n, n / 2),
+        &[
+            ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT", session),
+            ("TRADEBUCKET__SHUTDOWN__DRAIN_TIMEOUT", drain),
+        ],
+    )
+    .await;
+    committed_share(&s, n, 0.3).await;
+    let before = s.stack.committed_total();
+    kafka.black_hole();
+    s.fault(format!(
+        "black-hole Kafka for {hole} s (session {session}) at {before} committed"
+    ));
+    tokio::time::sleep(Duration::from_secs(hole)).await;
+    kafka.heal();
+    s.fault("healed; the second half of the events produced".into());
+    let healed = Instant::now();
+    let mut placed = placed;
+    placed.extend(produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[n / 2..]).await);
+    committed_share(&s, n, 1.0).await;
+    s.note(
+        "seconds_to_end_after_heal",
+        json!(healed.elapsed().as_secs_f64()),
+    );
+    prober.ready_again(&mut s, healed).await;
+    let reasons = prober.stop(&mut s);
+    if !reasons.iter().any(|r| r.contains("Kafka")) {
+        s.failures
+            .push(format!("readiness never named Kafka: {reasons:?}"));
+    }
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// 12. Slow links: 50 ms each way to both servers. The first half of the
+///     events goes over normal links, the second over slow ones; the
+///     throughput of each is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s12_slow_links() {
+    let n = events(10_000, 100_000);
+    let (mut s, kafka, mongo, recs, placed, w, prober) = start(
+        "s12-slow-links",
+        "Slow links: 50 ms each way to both servers (throughput beside normal links)",
+        12,
+        (n, n / 2),
+        &[],
+    )
+    .await;
+    let t0 = Instant::now();
+    committed_share(&s, n / 2, 1.0).await;
+    let normal = (n / 2) as f64 / t0.elapsed().as_secs_f64();
+    let d = Duration::from_millis(50);
+    kafka.delay(d, d);
+    mongo.delay(d, d);
+    s.fault("50 ms each way to Kafka and MongoDB".into());
+    let t1 = Instant::now();
+    let mut placed = placed;
+    placed.extend(produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[n / 2..]).await);
+    committed_share(&s, n, 1.0).await;
+    let slow = (n - n / 2) as f64 / t1.elapsed().as_secs_f64();
+    s.note("events_per_second_normal_links", json!(normal.round()));
+    s.note("events_per_second_slow_links", json!(slow.round()));
+    eprintln!("[s12] normal links {normal:.0} events/s, 50 ms each way {slow:.0} events/s");
+    prober.stop(&mut s);
+    s.finish(vec![w], &recs, &placed).await;
+}
