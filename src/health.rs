@@ -64,36 +64,45 @@ impl Health {
     /// `Err(reason)` when the worker should not receive traffic.
     pub fn readiness(&self) -> Result<(), Cow<'static, str>> {
         self.fixed_readiness().map_err(Cow::Borrowed)?;
+        let mut reasons: Vec<Cow<'static, str>> = Vec::new();
         if !self.mongodb_ok.load(Ordering::Relaxed) {
             let said = self.mongodb_failure.lock().ok().and_then(|r| r.clone());
-            return Err(said.map_or(Cow::Borrowed(WRITES_FAILING), Cow::Owned));
+            reasons.push(said.map_or(Cow::Borrowed(WRITES_FAILING), Cow::Owned));
         }
-        self.remote_readiness()
+        self.remote_reasons(&mut reasons);
+        match reasons.len() {
+            0 => Ok(()),
+            1 => Err(reasons.remove(0)),
+            _ => Err(Cow::Owned(reasons.join("; "))),
+        }
     }
 
     /// The reasons set from outside the loop: MongoDB's ping, Kafka's
-    /// statistics, the partition watcher.
-    fn remote_readiness(&self) -> Result<(), Cow<'static, str>> {
+    /// statistics, the partition watcher. All of them, not the first: a
+    /// broker connection that comes and goes must not hide a partition
+    /// that cannot be read (the operator needs both).
+    fn remote_reasons(&self, out: &mut Vec<Cow<'static, str>>) {
         if !self.mongodb_reachable.load(Ordering::Relaxed) {
-            return Err(Cow::Borrowed("MongoDB unreachable"));
+            out.push(Cow::Borrowed("MongoDB unreachable"));
         }
         if let Ok(Some(why)) = self.kafka_unreachable.lock().as_deref() {
-            return Err(Cow::Owned(format!("Kafka not answering: {why}")));
+            out.push(Cow::Owned(format!("Kafka not answering: {why}")));
         }
         if self.dead_letters_failing.load(Ordering::Relaxed) {
-            return Err(Cow::Borrowed(
+            out.push(Cow::Borrowed(
                 "the dead-letter topic refuses writes: being retried, the partition waits",
             ));
         }
         if self.records_skipped.load(Ordering::Relaxed) {
-            return Err(Cow::Borrowed("the Kafka client skipped records it could not read: offsets are no longer committed"));
+            out.push(Cow::Borrowed("the Kafka client skipped records it could not read: offsets are no longer committed"));
         }
-        match self.stalled_partitions.lock() {
-            Ok(stalled) if !stalled.is_empty() => Err(Cow::Owned(format!(
-                "Kafka partitions not being read: {}",
-                stalled.join(", ")
-            ))),
-            _ => Ok(()),
+        if let Ok(stalled) = self.stalled_partitions.lock() {
+            if !stalled.is_empty() {
+                out.push(Cow::Owned(format!(
+                    "Kafka partitions not being read: {}",
+                    stalled.join(", ")
+                )));
+            }
         }
     }
 
@@ -132,7 +141,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn readiness_names_the_first_reason() {
+    fn readiness_follows_each_state() {
         let h = Health::default();
         assert_eq!(
             h.readiness().unwrap_err(),
@@ -174,6 +183,23 @@ mod tests {
         );
         *h.kafka_unreachable.lock().unwrap() = None;
         assert_eq!(h.readiness(), Ok(()));
+    }
+
+    /// A broker connection that comes and goes must not hide a partition
+    /// that cannot be read: every reason is said.
+    #[test]
+    fn readiness_says_every_reason_at_once() {
+        let h = Health::default();
+        h.subscribed.store(true, Ordering::Relaxed);
+        h.mongodb_reachable.store(true, Ordering::Relaxed);
+        h.mongodb_ok.store(true, Ordering::Relaxed);
+        *h.kafka_unreachable.lock().unwrap() = Some("no broker connection is up".into());
+        *h.stalled_partitions.lock().unwrap() = vec!["t/0 (3 records waiting unread)".into()];
+        assert_eq!(
+            h.readiness().unwrap_err(),
+            "Kafka not answering: no broker connection is up; \
+             Kafka partitions not being read: t/0 (3 records waiting unread)"
+        );
     }
 
     #[test]
