@@ -210,6 +210,12 @@ pub struct TestEnv {
 }
 
 impl TestEnv {
+    /// The MongoDB server's `host:port`, for a proxy put in front of it.
+    pub fn mongo_host_port(&self) -> String {
+        let rest = self.mongo_uri.trim_start_matches("mongodb://");
+        rest.split('/').next().unwrap_or(rest).to_string()
+    }
+
     /// On the shared servers (see the module header).
     pub async fn new(name: &str, partitions: i32) -> TestEnv {
         TestEnv::on(kafka_brokers(), mongodb_uri(), name, partitions).await

@@ -15,13 +15,7 @@ use tradebucket::event::CustomerId;
 #[tokio::test]
 async fn an_operation_past_its_time_limit_is_abandoned_and_its_late_reply_never_read() {
     let base = TestEnv::new("late-reply", 1).await;
-    let upstream = base
-        .mongo_uri
-        .trim_start_matches("mongodb://")
-        .split('/')
-        .next()
-        .unwrap()
-        .to_string();
+    let upstream = base.mongo_host_port();
     let proxy = FaultProxy::start(&upstream, 0, Protocol::Mongo).await;
     let env = TestEnv {
         mongo_uri: format!("mongodb://{}/?directConnection=true", proxy.address()),

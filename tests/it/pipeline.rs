@@ -861,13 +861,7 @@ async fn compaction_gaps_and_transaction_markers_are_committed_past() {
 #[tokio::test]
 async fn a_statement_failed_with_a_transient_code_is_retried_not_dead_lettered() {
     let base = TestEnv::new("stmt-transient", 1).await;
-    let upstream = base
-        .mongo_uri
-        .trim_start_matches("mongodb://")
-        .split('/')
-        .next()
-        .unwrap()
-        .to_string();
+    let upstream = base.mongo_host_port();
     let proxy = MongoProxy::start(&upstream).await;
     let env = TestEnv {
         mongo_uri: format!("mongodb://127.0.0.1:{}/?directConnection=true", proxy.port),
