@@ -158,6 +158,23 @@ async fn committed_share(s: &Scenario, n: usize, share: f64) {
     .await;
 }
 
+/// After a heal: everything committed (and how long it took), readiness
+/// back without a restart, and readiness having named `server` during the
+/// fault.
+async fn after_heal(s: &mut Scenario, prober: Prober, n: usize, healed: Instant, server: &str) {
+    committed_share(s, n, 1.0).await;
+    s.note(
+        "seconds_to_end_after_heal",
+        json!(healed.elapsed().as_secs_f64()),
+    );
+    prober.ready_again(s, healed).await;
+    let reasons = prober.stop(s);
+    if !reasons.iter().any(|r| r.contains(server)) {
+        s.failures
+            .push(format!("readiness never named {server}: {reasons:?}"));
+    }
+}
+
 /// 9. Indeterminate writes: replies to `update`/`insert` dropped after
 ///    MongoDB applied them, and the connection cut, at random moments,
 ///    hundreds of times, in small batches (many writes).
@@ -221,17 +238,7 @@ async fn s10_mongodb_black_hole() {
         ));
     }
     let healed = Instant::now();
-    committed_share(&s, n, 1.0).await;
-    s.note(
-        "seconds_to_end_after_heal",
-        json!(healed.elapsed().as_secs_f64()),
-    );
-    prober.ready_again(&mut s, healed).await;
-    let reasons = prober.stop(&mut s);
-    if !reasons.iter().any(|r| r.contains("MongoDB")) {
-        s.failures
-            .push(format!("readiness never named MongoDB: {reasons:?}"));
-    }
+    after_heal(&mut s, prober, n, healed, "MongoDB").await;
     s.finish(vec![w], &recs, &placed).await;
 }
 
@@ -274,17 +281,7 @@ async fn s11_kafka_black_hole() {
     let healed = Instant::now();
     let mut placed = placed;
     placed.extend(produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[n / 2..]).await);
-    committed_share(&s, n, 1.0).await;
-    s.note(
-        "seconds_to_end_after_heal",
-        json!(healed.elapsed().as_secs_f64()),
-    );
-    prober.ready_again(&mut s, healed).await;
-    let reasons = prober.stop(&mut s);
-    if !reasons.iter().any(|r| r.contains("Kafka")) {
-        s.failures
-            .push(format!("readiness never named Kafka: {reasons:?}"));
-    }
+    after_heal(&mut s, prober, n, healed, "Kafka").await;
     s.finish(vec![w], &recs, &placed).await;
 }
 
