@@ -244,7 +244,7 @@ async fn s10_mongodb_black_hole() {
 
 /// 11. Kafka black-holed for longer than the session timeout, then healed.
 ///
-/// Ignored in the default run: in 2 of 5 runs (reduced and full) the
+/// Ignored in the default run: in 3 of 6 runs (reduced and full) the
 /// worker never got its partitions back after the heal. librdkafka revoked
 /// them when the session timed out, said the broker answered again, and
 /// then no assignment came for minutes while `/readyz` said "ready". Not
