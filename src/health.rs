@@ -24,6 +24,9 @@ pub struct Health {
     /// coordinator is lost, as librdkafka's statistics last said (see
     /// `kafka::link_failure`).
     pub kafka_unreachable: Mutex<Option<String>>,
+    /// The consumer group has rebalanced for longer than a rebalance can
+    /// take, so this member is assigned nothing (see `kafka::group`).
+    pub group_unsettled: Mutex<Option<String>>,
     /// The last periodic ping succeeded (a worker with nothing to write
     /// would otherwise stay ready through a whole outage).
     pub mongodb_reachable: AtomicBool,
@@ -87,6 +90,9 @@ impl Health {
         }
         if let Ok(Some(why)) = self.kafka_unreachable.lock().as_deref() {
             out.push(Cow::Owned(format!("Kafka not answering: {why}")));
+        }
+        if let Ok(Some(why)) = self.group_unsettled.lock().as_deref() {
+            out.push(Cow::Owned(why.to_string()));
         }
         if self.dead_letters_failing.load(Ordering::Relaxed) {
             out.push(Cow::Borrowed(
@@ -195,9 +201,11 @@ mod tests {
         h.mongodb_ok.store(true, Ordering::Relaxed);
         *h.kafka_unreachable.lock().unwrap() = Some("no broker connection is up".into());
         *h.stalled_partitions.lock().unwrap() = vec!["t/0 (3 records waiting unread)".into()];
+        *h.group_unsettled.lock().unwrap() = Some("the consumer group has not settled".into());
         assert_eq!(
             h.readiness().unwrap_err(),
             "Kafka not answering: no broker connection is up; \
+             the consumer group has not settled; \
              Kafka partitions not being read: t/0 (3 records waiting unread)"
         );
     }

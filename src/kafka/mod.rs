@@ -31,8 +31,10 @@ use crate::config::Settings;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::offsets::TopicPartition;
+use group::Settling;
 
 mod dead_letter;
+mod group;
 pub mod headers;
 pub mod stall;
 
@@ -172,6 +174,8 @@ pub struct ConsumerCtx {
     /// Where the statistics callback says whether Kafka answers
     /// (`Health::kafka_unreachable`, read by `/readyz`).
     health: Arc<Health>,
+    /// How long the group has been rebalancing (`Health::group_unsettled`).
+    settling: Mutex<Settling>,
 }
 
 impl ClientContext for ConsumerCtx {
@@ -191,6 +195,7 @@ impl ClientContext for ConsumerCtx {
 
     fn stats(&self, stats: Statistics) {
         self.judge_link(&stats);
+        self.judge_group(&stats);
         // Only partitions this member owns: a partition handed to another
         // member is reported there, and a stale series here would make a
         // group-wide sum of lag wrong.
@@ -237,6 +242,27 @@ impl ConsumerCtx {
         match (&*shown, &failure) {
             (None, Some(why)) => tracing::warn!(reason = %why, "Kafka not answering: not ready"),
             (Some(_), None) => tracing::info!("Kafka answering again"),
+            _ => {}
+        }
+        *shown = failure;
+    }
+
+    /// Sets `Health::group_unsettled` from one statistics report, and logs
+    /// when that changes.
+    fn judge_group(&self, stats: &Statistics) {
+        let Some(cgrp) = stats.cgrp.as_ref() else {
+            return;
+        };
+        let Ok(mut settling) = self.settling.lock() else {
+            return;
+        };
+        let failure = settling.observe(&cgrp.join_state, Instant::now());
+        let Ok(mut shown) = self.health.group_unsettled.lock() else {
+            return;
+        };
+        match (&*shown, &failure) {
+            (None, Some(why)) => tracing::warn!(reason = %why, "consumer group stuck: not ready"),
+            (Some(_), None) => tracing::info!("consumer group settled again"),
             _ => {}
         }
         *shown = failure;
@@ -393,6 +419,13 @@ fn client_config(
     fixed: &[(&str, String)],
 ) -> ClientConfig {
     let k = &settings.kafka;
+    // librdkafka's own debug contexts (`kafka.options.debug`) log at debug
+    // level; without this they would be dropped before `log.level` sees them.
+    let level = if k.options.contains_key("debug") {
+        RDKafkaLogLevel::Debug
+    } else {
+        RDKafkaLogLevel::Warning
+    };
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &k.brokers)
         .set("client.id", &k.client_id)
@@ -400,7 +433,7 @@ fn client_config(
         // heartbeat, commit, ListOffsets, produce): a broker that stops
         // answering is disconnected and retried, never waited on.
         .set("socket.timeout.ms", millis(settings.timeouts.kafka_request))
-        .set_log_level(RDKafkaLogLevel::Warning);
+        .set_log_level(level);
     for (key, value) in tunables {
         c.set(*key, value);
     }
@@ -499,6 +532,10 @@ pub fn consumer(
         metrics,
         logs: ScrubbedLogs::new(settings),
         health,
+        settling: Mutex::new(Settling::new(Settling::limit(
+            settings.kafka.max_poll_interval,
+            settings.kafka.session_timeout,
+        ))),
     };
     let consumer: StreamConsumer<ConsumerCtx> = consumer_config(settings)
         .create_with_context(context)
@@ -837,6 +874,27 @@ mod tests {
         assert!(
             request.ends_with("\r\n\r\ngrant_type=client_credentials"),
             "{request}"
+        );
+    }
+
+    /// librdkafka's debug lines reach the log only when its debug
+    /// contexts are asked for: at debug level they are many per second.
+    #[test]
+    fn librdkafka_logs_debug_lines_only_when_debug_contexts_are_set() {
+        let level = |c: ClientConfig| c.log_level as i32;
+        let quiet = settings_with(&[]);
+        assert_eq!(
+            level(consumer_config(&quiet)),
+            RDKafkaLogLevel::Warning as i32
+        );
+        let debug = settings_with(&[("debug", "cgrp")]);
+        assert_eq!(
+            level(consumer_config(&debug)),
+            RDKafkaLogLevel::Debug as i32
+        );
+        assert_eq!(
+            level(producer_config(&debug)),
+            RDKafkaLogLevel::Debug as i32
         );
     }
 

@@ -8,7 +8,10 @@
 //! A black hole holds traffic rather than discarding it: a TCP connection
 //! that survives a partition delivers what was sent once the network heals
 //! (retransmission), it never loses bytes from the middle of a stream.
-//! Clients that gave up meanwhile have closed their connections.
+//! Clients that gave up meanwhile have closed their connections, but what
+//! they sent before is still delivered, late, as a kernel retransmits a
+//! closed socket's unacknowledged data for a while. `heal_closing` ends a
+//! hole the other way: the connections died and their bytes with them.
 //!
 //! Kafka clients learn broker addresses from metadata, so a broker behind
 //! this proxy must advertise the proxy's address
@@ -104,6 +107,15 @@ impl FaultProxy {
     /// Ends a black hole: held traffic flows again, in order.
     pub fn heal(&self) {
         self.controls.black_hole.send_replace(false);
+    }
+
+    /// Ends a black hole the way a partition that outlasted TCP's
+    /// retransmissions ends: every connection open during it is closed, and
+    /// what it held never reaches the other side. Connections made after
+    /// this are served as before.
+    pub fn heal_closing(&self) {
+        self.reset_all();
+        self.heal();
     }
 
     /// Delays every chunk towards the server by `up` and back by `down`

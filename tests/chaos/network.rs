@@ -244,15 +244,16 @@ async fn s10_mongodb_black_hole() {
 
 /// 11. Kafka black-holed for longer than the session timeout, then healed.
 ///
-/// Ignored in the default run: in 3 of 6 runs (reduced and full) the
-/// worker never got its partitions back after the heal. librdkafka revoked
-/// them when the session timed out, said the broker answered again, and
-/// then no assignment came for minutes while `/readyz` said "ready". Not
-/// yet known whether the worker, librdkafka or the local broker (which
-/// also receives the requests the black hole held, after the heal) is at
-/// fault; docs/reliability.md, "Network faults". Run it with `--ignored`.
+/// Shaped around a quirk of the local broker (docs/testing.md): the heal
+/// closes the connections the hole held instead of delivering their bytes
+/// late. Tansu 0.6.0 takes a heartbeat of the member whose session expired
+/// in the hole (held, delivered after the heal) as the moment to remove
+/// it, but keeps it as the group's leader; no member can then complete a
+/// rebalance, and the worker is assigned nothing for good (seen in 7 of 10
+/// runs that delivered the held bytes). Apache Kafka answers such a
+/// heartbeat with UNKNOWN_MEMBER_ID and elects a leader among the members
+/// that rejoined.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "intermittent: no reassignment after the heal (docs/reliability.md, Network faults)"]
 async fn s11_kafka_black_hole() {
     let n = events(10_000, 100_000);
     // Reduced: a 10 s session (drain below it), a 20 s hole; full: the
@@ -276,8 +277,8 @@ async fn s11_kafka_black_hole() {
         "black-hole Kafka for {hole} s (session {session}) at {before} committed"
     ));
     tokio::time::sleep(Duration::from_secs(hole)).await;
-    kafka.heal();
-    s.fault("healed; the second half of the events produced".into());
+    kafka.heal_closing();
+    s.fault("healed, the held connections closed; the second half of the events produced".into());
     let healed = Instant::now();
     let mut placed = placed;
     placed.extend(produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[n / 2..]).await);
