@@ -29,6 +29,19 @@ pub enum ConfigError {
     },
 }
 
+/// librdkafka properties tradebucket sets from a setting of its own, which
+/// `kafka.options` may therefore not set.
+const OWNED_OPTIONS: [(&str, &str); 8] = [
+    ("bootstrap.servers", "kafka.brokers"),
+    ("group.id", "kafka.group_id"),
+    ("client.id", "kafka.client_id"),
+    ("auto.offset.reset", "kafka.auto_offset_reset"),
+    ("session.timeout.ms", "kafka.session_timeout"),
+    ("max.poll.interval.ms", "kafka.max_poll_interval"),
+    ("socket.timeout.ms", "timeouts.kafka_request"),
+    ("message.timeout.ms", "timeouts.dead_letter_delivery"),
+];
+
 fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field,
@@ -396,6 +409,17 @@ impl Settings {
         if k.max_message_bytes == 0 {
             return Err(invalid("kafka.max_message_bytes", "must be positive"));
         }
+        // Each of these has one place, a setting of ours that other rules
+        // and the docs rely on: an option would silently replace it.
+        if let Some((option, setting)) = OWNED_OPTIONS
+            .iter()
+            .find(|(option, _)| k.options.contains_key(*option))
+        {
+            return Err(invalid(
+                "kafka.options",
+                format!("\"{option}\" is set by {setting}: set that instead"),
+            ));
+        }
         // The drain must end before the broker gives our partitions away,
         // or a "graceful" stop would still overlap with the next owner.
         if self.shutdown.drain_timeout >= k.session_timeout {
@@ -710,6 +734,24 @@ mod tests {
         assert!(!printed.contains("hunter2"), "{printed}");
         assert!(printed.contains("SASL_SSL"), "{printed}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A time limit (or any setting of ours) has one place: an option
+    /// that would replace it is refused, naming the setting to use.
+    #[test]
+    fn options_that_replace_a_setting_are_refused() {
+        for (option, setting) in OWNED_OPTIONS {
+            let var = format!(
+                "TRADEBUCKET__KAFKA__OPTIONS__{}",
+                option.replace('.', "_").to_uppercase()
+            );
+            let err = Settings::load_from(None, env(&[(&var, "1000")])).unwrap_err();
+            let said = err.to_string();
+            assert!(
+                said.contains("kafka.options") && said.contains(option) && said.contains(setting),
+                "{var}: {said}"
+            );
+        }
     }
 
     #[test]
