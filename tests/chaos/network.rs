@@ -149,13 +149,21 @@ async fn start(
     (s, proxies.kafka, proxies.mongo, recs, placed, w, prober)
 }
 
-/// Waits until the group committed `share` of `n`.
-async fn committed_share(s: &Scenario, n: usize, share: f64) {
+/// Waits until the group committed `share` of `n`; after 300 s the
+/// scenario fails, saying how far it got (the verdict would count the
+/// missing trades too, but not say at which step they went missing).
+async fn committed_share(s: &mut Scenario, n: usize, share: f64) {
     let target = (n as f64 * share) as i64;
-    poll_until(Duration::from_secs(300), POLL, || async {
+    let reached = poll_until(Duration::from_secs(300), POLL, || async {
         s.stack.committed_total() >= target
     })
     .await;
+    if !reached {
+        s.failures.push(format!(
+            "{} of {target} committed after 300 s",
+            s.stack.committed_total()
+        ));
+    }
 }
 
 /// After a heal: everything committed (and how long it took), readiness
@@ -191,7 +199,7 @@ async fn s9_indeterminate_writes() {
     .await;
     mongo.drop_write_replies(0.2);
     s.fault("drop 20% of write replies after the write, from the start".into());
-    committed_share(&s, n, 0.95).await;
+    committed_share(&mut s, n, 0.95).await;
     mongo.drop_write_replies(0.0);
     let dropped = mongo.dropped_replies();
     s.fault(format!("stopped dropping after {dropped} dropped replies"));
@@ -218,7 +226,7 @@ async fn s10_mongodb_black_hole() {
         &[],
     )
     .await;
-    committed_share(&s, n, 0.3).await;
+    committed_share(&mut s, n, 0.3).await;
     mongo.black_hole();
     s.fault(format!(
         "black-hole MongoDB for {} s at {} committed",
@@ -270,7 +278,7 @@ async fn s11_kafka_black_hole() {
         ],
     )
     .await;
-    committed_share(&s, n, 0.3).await;
+    committed_share(&mut s, n, 0.3).await;
     let before = s.stack.committed_total();
     kafka.black_hole();
     s.fault(format!(
@@ -301,7 +309,7 @@ async fn s12_slow_links() {
     )
     .await;
     let t0 = Instant::now();
-    committed_share(&s, n / 2, 1.0).await;
+    committed_share(&mut s, n / 2, 1.0).await;
     let normal = (n / 2) as f64 / t0.elapsed().as_secs_f64();
     let d = Duration::from_millis(50);
     kafka.delay(d, d);
@@ -310,7 +318,7 @@ async fn s12_slow_links() {
     let t1 = Instant::now();
     let mut placed = placed;
     placed.extend(produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[n / 2..]).await);
-    committed_share(&s, n, 1.0).await;
+    committed_share(&mut s, n, 1.0).await;
     let slow = (n - n / 2) as f64 / t1.elapsed().as_secs_f64();
     s.note("events_per_second_normal_links", json!(normal.round()));
     s.note("events_per_second_slow_links", json!(slow.round()));
