@@ -38,6 +38,8 @@ struct Seen {
     commits: Vec<Commit>,
     /// Each dead-letter send attempt: when, and the source offset.
     dead_letters: Vec<(Duration, i64)>,
+    /// Each pause (`true`) and resume: when, which partitions.
+    pauses: Vec<(Duration, Vec<TopicPartition>, bool)>,
     left: bool,
 }
 
@@ -82,6 +84,24 @@ impl Intake for FakeIntake {
             };
             seen.commits.push((at, offsets.to_vec(), mode));
         }
+    }
+
+    fn pause(&mut self, tps: &[TopicPartition]) {
+        let at = self.start.elapsed();
+        self.seen
+            .lock()
+            .unwrap()
+            .pauses
+            .push((at, tps.to_vec(), true));
+    }
+
+    fn resume(&mut self, tps: &[TopicPartition]) {
+        let at = self.start.elapsed();
+        self.seen
+            .lock()
+            .unwrap()
+            .pauses
+            .push((at, tps.to_vec(), false));
     }
 
     fn leave(&mut self) {
@@ -290,8 +310,34 @@ fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
+/// A light load: a batch closes as soon as the consumer has nothing more
+/// queued, with no fixed wait, and what comes while it is written forms
+/// the next one.
 #[tokio::test(start_paused = true)]
-async fn linger_closes_a_batch_and_a_full_batch_does_not_wait() {
+async fn a_light_load_batch_closes_as_soon_as_nothing_is_queued() {
+    let h = Harness::start(
+        Options {
+            write_delay: ms(30),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true);
+    h.until(ms(1)).await;
+    assert_eq!(h.writes(), vec![(ms(0), vec![0, 1, 2])], "written at once");
+    // Two arrive while the first batch is written: they wait for it.
+    h.send(0, [3], true);
+    h.until(ms(10)).await;
+    h.send(0, [4], true);
+    h.until(ms(100)).await;
+    assert_eq!(h.writes()[1], (ms(30), vec![3, 4]));
+    h.stop().await;
+}
+
+/// A backlog: batches fill to their bound while the previous one is
+/// written.
+#[tokio::test(start_paused = true)]
+async fn under_a_backlog_batches_fill_to_their_bound() {
     let h = Harness::start(
         Options {
             max_events: Some(4),
@@ -299,22 +345,10 @@ async fn linger_closes_a_batch_and_a_full_batch_does_not_wait() {
         },
         &[0],
     );
-    h.send(0, 0..3, true);
-    h.until(ms(49)).await;
-    assert!(
-        h.writes().is_empty(),
-        "nothing is written before the linger"
-    );
-    h.until(ms(51)).await;
-    assert_eq!(h.writes(), vec![(LINGER, vec![0, 1, 2])]);
-
-    // Ten more at once: two full batches at once, the rest after a linger.
-    h.send(0, 3..13, true);
-    h.until(ms(200)).await;
-    let writes = h.writes();
-    assert_eq!(writes[1], (ms(51), vec![3, 4, 5, 6]));
-    assert_eq!(writes[2], (ms(51), vec![7, 8, 9, 10]));
-    assert_eq!(writes[3], (ms(101), vec![11, 12]));
+    h.send(0, 0..10, true);
+    h.until(ms(10)).await;
+    let writes: Vec<Vec<i64>> = h.writes().into_iter().map(|w| w.1).collect();
+    assert_eq!(writes, vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8, 9]]);
     h.stop().await;
 }
 
@@ -336,11 +370,11 @@ async fn a_failed_write_is_retried_with_backoff_and_not_committed_until_it_succe
     );
     h.until(ms(1000)).await;
     let attempts: Vec<Duration> = h.writes().iter().map(|w| w.0).collect();
-    // Linger, then waits of 100, 200 and 400 ms (no jitter here).
-    assert_eq!(attempts, vec![ms(50), ms(150), ms(350), ms(750)]);
+    // At once, then after waits of 100, 200 and 400 ms (no jitter here).
+    assert_eq!(attempts, vec![ms(0), ms(100), ms(300), ms(700)]);
     assert_eq!(
         h.commits(),
-        vec![(ms(750), vec![(tp(0), 5)], Mode::Async)],
+        vec![(ms(700), vec![(tp(0), 5)], Mode::Async)],
         "one commit, after the successful attempt, of the next offset to read"
     );
     h.stop().await;
@@ -370,16 +404,16 @@ async fn commits_wait_for_dead_letters_and_name_the_contiguous_prefix() {
     );
     h.until(ms(1000)).await;
     let dead: Vec<(Duration, i64)> = h.seen.lock().unwrap().dead_letters.clone();
-    assert_eq!(dead, vec![(ms(50), 2), (ms(150), 2), (ms(350), 2)]);
+    assert_eq!(dead, vec![(ms(0), 2), (ms(100), 2), (ms(300), 2)]);
     assert_eq!(
         h.commits(),
-        vec![(ms(350), vec![(tp(0), 4), (tp(1), 2)], Mode::Async)]
+        vec![(ms(300), vec![(tp(0), 4), (tp(1), 2)], Mode::Async)]
     );
 
     // A later batch moves each partition on from where it was.
     h.send(1, [2], true);
     h.until(ms(2000)).await;
-    assert_eq!(h.commits()[1], (ms(1050), vec![(tp(1), 3)], Mode::Async));
+    assert_eq!(h.commits()[1], (ms(1000), vec![(tp(1), 3)], Mode::Async));
     h.stop().await;
 }
 
@@ -393,8 +427,8 @@ async fn a_revoked_partition_is_written_but_committed_only_by_its_owner() {
         .unwrap()
         .push(GroupEvent::Revoked(vec![tp(1)]));
     h.until(ms(100)).await;
-    assert_eq!(h.writes(), vec![(LINGER, vec![0, 1, 0, 1])]);
-    assert_eq!(h.commits(), vec![(LINGER, vec![(tp(0), 2)], Mode::Async)]);
+    assert_eq!(h.writes(), vec![(ms(0), vec![0, 1, 0, 1])]);
+    assert_eq!(h.commits(), vec![(ms(0), vec![(tp(0), 2)], Mode::Async)]);
     h.stop().await;
 }
 
@@ -444,8 +478,8 @@ async fn a_batch_finishing_within_the_drain_is_committed_at_shutdown() {
     assert_eq!(
         seen.commits,
         vec![
-            (ms(2050), vec![(tp(0), 3)], Mode::Async),
-            (ms(2050), vec![], Mode::Sync),
+            (ms(2000), vec![(tp(0), 3)], Mode::Async),
+            (ms(2000), vec![], Mode::Sync),
         ]
     );
 }
@@ -470,11 +504,9 @@ async fn the_batch_bound_counts_keys_and_headers_not_just_payloads() {
     h.until(ms(10)).await;
     assert_eq!(
         h.writes(),
-        vec![(ms(0), vec![0, 1]), (ms(0), vec![2, 3])],
-        "full batches, without waiting for the linger"
+        vec![(ms(0), vec![0, 1]), (ms(0), vec![2, 3]), (ms(0), vec![4])],
+        "full batches, then the rest"
     );
-    h.until(ms(100)).await;
-    assert_eq!(h.writes()[2], (LINGER, vec![4]));
     h.stop().await;
 }
 
@@ -495,10 +527,10 @@ async fn a_dead_letter_too_large_for_its_topic_goes_shortened_at_once() {
     let dead = h.seen.lock().unwrap().dead_letters.clone();
     assert_eq!(
         dead,
-        vec![(LINGER, 0), (LINGER, 0)],
+        vec![(ms(0), 0), (ms(0), 0)],
         "refused for its size, then sent shortened without waiting"
     );
-    assert_eq!(h.commits(), vec![(LINGER, vec![(tp(0), 2)], Mode::Async)]);
+    assert_eq!(h.commits(), vec![(ms(0), vec![(tp(0), 2)], Mode::Async)]);
     assert_eq!(h.health.readiness(), Ok(()));
     h.stop().await;
 }
