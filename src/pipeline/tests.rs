@@ -40,6 +40,8 @@ struct Seen {
     dead_letters: Vec<(Duration, i64)>,
     /// Each pause (`true`) and resume: when, which partitions.
     pauses: Vec<(Duration, Vec<TopicPartition>, bool)>,
+    /// Calls of `recv`: the consumer being polled.
+    polls: usize,
     left: bool,
 }
 
@@ -60,10 +62,17 @@ struct FakeIntake {
     events: Arc<Mutex<Vec<GroupEvent>>>,
     seen: Shared,
     start: Instant,
+    paused: bool,
 }
 
 impl Intake for FakeIntake {
     async fn recv(&mut self) -> Result<Record, KafkaError> {
+        self.seen.lock().unwrap().polls += 1;
+        if self.paused {
+            // librdkafka delivers nothing of a paused partition (it drops
+            // what it had queued and fetches it again on resume).
+            std::future::pending::<()>().await;
+        }
         match self.records.recv().await {
             Some(r) => r,
             None => std::future::pending().await,
@@ -87,6 +96,7 @@ impl Intake for FakeIntake {
     }
 
     fn pause(&mut self, tps: &[TopicPartition]) {
+        self.paused = true;
         let at = self.start.elapsed();
         self.seen
             .lock()
@@ -96,6 +106,7 @@ impl Intake for FakeIntake {
     }
 
     fn resume(&mut self, tps: &[TopicPartition]) {
+        self.paused = false;
         let at = self.start.elapsed();
         self.seen
             .lock()
@@ -187,6 +198,7 @@ struct Options {
     dead_letter_failures: usize,
     max_events: Option<usize>,
     max_bytes: Option<usize>,
+    max_in_flight: Option<usize>,
     dead_letter_max_payload: Option<usize>,
 }
 
@@ -219,6 +231,7 @@ impl Harness {
             events: events.clone(),
             seen: seen.clone(),
             start,
+            paused: false,
         };
         let buckets = FakeBuckets {
             failures: o.write_failures,
@@ -235,8 +248,12 @@ impl Harness {
         let health = Arc::new(Health::default());
         health.subscribed.store(true, Ordering::Relaxed);
         health.mongodb_reachable.store(true, Ordering::Relaxed);
+        let mut settings = settings(o.max_events, o.max_bytes);
+        if let Some(n) = o.max_in_flight {
+            settings.batch.max_in_flight = n;
+        }
         let worker = Worker::new(
-            settings(o.max_events, o.max_bytes),
+            settings,
             intake,
             buckets,
             dead_letters,
@@ -611,5 +628,109 @@ async fn liveness_ticks_while_a_batch_is_written() {
     h.until(Duration::from_secs(5)).await;
     assert!(h.commits().is_empty(), "still writing");
     assert_ne!(h.health.last_tick_ms.load(Ordering::Relaxed), 1);
+    h.stop().await;
+}
+
+/// Two batches in flight: the second is filled while the first is written,
+/// and each commit names only what its own batch completed, in order.
+#[tokio::test(start_paused = true)]
+async fn commits_follow_the_batches_in_order_with_two_in_flight() {
+    let h = Harness::start(
+        Options {
+            write_delay: ms(100),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true);
+    h.until(ms(10)).await;
+    h.send(0, 3..5, true); // consumed while the first batch is written
+    h.until(ms(150)).await;
+    assert_eq!(
+        h.commits(),
+        vec![(ms(100), vec![(tp(0), 3)], Mode::Async)],
+        "the first batch commits up to its own end, not past the second's records"
+    );
+    h.until(ms(300)).await;
+    assert_eq!(
+        h.writes(),
+        vec![(ms(0), vec![0, 1, 2]), (ms(100), vec![3, 4])]
+    );
+    assert_eq!(h.commits()[1], (ms(200), vec![(tp(0), 5)], Mode::Async));
+    h.stop().await;
+}
+
+/// A partition revoked while its records are being written: the write
+/// finishes (a delivered record is never dropped), and only the partitions
+/// still ours are committed.
+#[tokio::test(start_paused = true)]
+async fn a_partition_revoked_during_its_write_is_written_and_not_committed() {
+    let h = Harness::start(
+        Options {
+            write_delay: ms(100),
+            ..Options::default()
+        },
+        &[0, 1],
+    );
+    h.send(0, 0..2, true);
+    h.send(1, 0..2, true);
+    h.until(ms(10)).await;
+    assert_eq!(h.writes(), vec![(ms(0), vec![0, 1, 0, 1])], "being written");
+    h.events
+        .lock()
+        .unwrap()
+        .push(GroupEvent::Revoked(vec![tp(1)]));
+    h.until(ms(200)).await;
+    assert_eq!(h.writes().len(), 1, "written once, to the end");
+    assert_eq!(h.commits(), vec![(ms(100), vec![(tp(0), 2)], Mode::Async)]);
+    h.stop().await;
+}
+
+/// At the in-flight bound the loop takes no more records; once that has
+/// lasted the grace it pauses the partitions and keeps polling the
+/// consumer (a long outage costs no rebalance); it resumes when a batch
+/// is done.
+#[tokio::test(start_paused = true)]
+async fn backpressure_at_the_bound_pauses_and_polls_on() {
+    let h = Harness::start(
+        Options {
+            write_delay: Duration::from_secs(20),
+            max_events: Some(2),
+            max_in_flight: Some(2),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..10, true);
+    h.until(ms(100)).await;
+    assert_eq!(h.writes(), vec![(ms(0), vec![0, 1])]);
+    assert_eq!(
+        h.seen.lock().unwrap().polls,
+        4,
+        "two batches taken (one written, one waiting), nothing more"
+    );
+    h.until(super::worker::HOLD_GRACE - ms(1)).await;
+    assert!(
+        h.seen.lock().unwrap().pauses.is_empty(),
+        "a short hold does not pause"
+    );
+    h.until(super::worker::HOLD_GRACE + ms(1)).await;
+    let pauses = h.seen.lock().unwrap().pauses.clone();
+    assert_eq!(pauses, vec![(super::worker::HOLD_GRACE, vec![tp(0)], true)]);
+    let polls = h.seen.lock().unwrap().polls;
+    h.until(Duration::from_secs(15)).await;
+    assert!(
+        h.seen.lock().unwrap().polls >= polls + 8,
+        "the consumer is polled while paused"
+    );
+    h.until(Duration::from_secs(21)).await;
+    let seen = h.seen.lock().unwrap();
+    assert_eq!(
+        seen.pauses[1],
+        (Duration::from_secs(20), vec![tp(0)], false),
+        "resumed when the first batch is done"
+    );
+    assert_eq!(seen.writes[1], (Duration::from_secs(20), vec![2, 3]));
+    drop(seen);
     h.stop().await;
 }
