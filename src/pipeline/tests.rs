@@ -42,6 +42,8 @@ struct Seen {
     pauses: Vec<(Duration, Vec<TopicPartition>, bool)>,
     /// Calls of `recv`: the consumer being polled.
     polls: usize,
+    /// Calls of `recv` while paused (what keeps a held member in its group).
+    polls_paused: usize,
     left: bool,
 }
 
@@ -67,7 +69,11 @@ struct FakeIntake {
 
 impl Intake for FakeIntake {
     async fn recv(&mut self) -> Result<Record, KafkaError> {
-        self.seen.lock().unwrap().polls += 1;
+        {
+            let mut seen = self.seen.lock().unwrap();
+            seen.polls += 1;
+            seen.polls_paused += usize::from(self.paused);
+        }
         if self.paused {
             // librdkafka delivers nothing of a paused partition (it drops
             // what it had queued and fetches it again on resume).
@@ -200,6 +206,11 @@ struct Options {
     max_bytes: Option<usize>,
     max_in_flight: Option<usize>,
     dead_letter_max_payload: Option<usize>,
+    /// `rate_limit.events_per_second`.
+    rate_limit: Option<u64>,
+    /// `kafka.max_poll_interval` (the hold's grace is a quarter of it at
+    /// most).
+    max_poll_interval: Option<Duration>,
 }
 
 fn settings(max_events: Option<usize>, max_bytes: Option<usize>) -> Settings {
@@ -251,6 +262,12 @@ impl Harness {
         let mut settings = settings(o.max_events, o.max_bytes);
         if let Some(n) = o.max_in_flight {
             settings.batch.max_in_flight = n;
+        }
+        if let Some(n) = o.rate_limit {
+            settings.rate_limit.events_per_second = n;
+        }
+        if let Some(d) = o.max_poll_interval {
+            settings.kafka.max_poll_interval = d;
         }
         let worker = Worker::new(
             settings,
@@ -731,6 +748,44 @@ async fn backpressure_at_the_bound_pauses_and_polls_on() {
         "resumed when the first batch is done"
     );
     assert_eq!(seen.writes[1], (Duration::from_secs(20), vec![2, 3]));
+    drop(seen);
+    h.stop().await;
+}
+
+/// Under a rate limit a batch holds one second of it (two events at 2/s)
+/// and waits queued for its turn: the loop holds at the bound meanwhile,
+/// and past the grace (a quarter of `max.poll.interval.ms`) it pauses the
+/// partitions and keeps polling, so a low limit costs no rebalance.
+#[tokio::test(start_paused = true)]
+async fn the_rate_limit_spaces_batches_with_partitions_paused_and_polled() {
+    let h = Harness::start(
+        Options {
+            rate_limit: Some(2),
+            max_poll_interval: Some(Duration::from_secs(2)),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..8, true);
+    h.until(Duration::from_millis(3_100)).await;
+    let s = |n: u64| Duration::from_secs(n);
+    assert_eq!(
+        h.writes(),
+        vec![
+            (ms(0), vec![0, 1]),
+            (s(1), vec![2, 3]),
+            (s(2), vec![4, 5]),
+            (s(3), vec![6, 7]),
+        ],
+        "one second of the rate per batch, a second apart"
+    );
+    let seen = h.seen.lock().unwrap();
+    assert_eq!(
+        seen.pauses[..2],
+        [(ms(500), vec![tp(0)], true), (s(1), vec![tp(0)], false)],
+        "paused after the grace while a batch waits for the limit, resumed when it goes"
+    );
+    assert!(seen.polls_paused > 0, "polled while paused");
     drop(seen);
     h.stop().await;
 }

@@ -172,6 +172,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                 _ = shutdown.cancelled(), if drain_until.is_none() => Wake::Tick,
                 _ = sleep_until(drain_until) => Wake::DrainOver,
                 _ = sleep_until(self.write_at) => Wake::Tick,
+                _ = sleep_until(self.pause_due()), if !stopping => Wake::Tick,
                 r = self.intake.recv(), if polling => Wake::Received(r),
                 _ = ticker.tick() => Wake::Tick,
             };
@@ -355,6 +356,13 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             self.paused.extend(tps);
         }
         !self.paused.is_empty()
+    }
+
+    /// When a hold that has not paused yet reaches its grace: the loop
+    /// wakes then to pause, rather than at its next idle tick.
+    fn pause_due(&self) -> Option<TokioInstant> {
+        let since = self.held_since.filter(|_| self.paused.is_empty())?;
+        Some(since + self.hold_grace())
     }
 
     fn hold_grace(&self) -> Duration {
