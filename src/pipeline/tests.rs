@@ -741,14 +741,15 @@ async fn backpressure_at_the_bound_pauses_and_polls_on() {
         "the consumer is polled while paused"
     );
     h.until(Duration::from_secs(21)).await;
-    let seen = h.seen.lock().unwrap();
-    assert_eq!(
-        seen.pauses[1],
-        (Duration::from_secs(20), vec![tp(0)], false),
-        "resumed when the first batch is done"
-    );
-    assert_eq!(seen.writes[1], (Duration::from_secs(20), vec![2, 3]));
-    drop(seen);
+    {
+        let seen = h.seen.lock().unwrap();
+        assert_eq!(
+            seen.pauses[1],
+            (Duration::from_secs(20), vec![tp(0)], false),
+            "resumed when the first batch is done"
+        );
+        assert_eq!(seen.writes[1], (Duration::from_secs(20), vec![2, 3]));
+    }
     h.stop().await;
 }
 
@@ -779,13 +780,14 @@ async fn the_rate_limit_spaces_batches_with_partitions_paused_and_polled() {
         ],
         "one second of the rate per batch, a second apart"
     );
-    let seen = h.seen.lock().unwrap();
-    assert_eq!(
-        seen.pauses[..2],
-        [(ms(500), vec![tp(0)], true), (s(1), vec![tp(0)], false)],
-        "paused after the grace while a batch waits for the limit, resumed when it goes"
-    );
-    assert!(seen.polls_paused > 0, "polled while paused");
-    drop(seen);
+    {
+        let seen = h.seen.lock().unwrap();
+        assert_eq!(
+            seen.pauses[..2],
+            [(ms(500), vec![tp(0)], true), (s(1), vec![tp(0)], false)],
+            "paused after the grace while a batch waits for the limit, resumed when it goes"
+        );
+        assert!(seen.polls_paused > 0, "polled while paused");
+    }
     h.stop().await;
 }

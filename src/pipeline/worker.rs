@@ -59,7 +59,8 @@ struct Open {
 
 /// What woke the loop.
 enum Wake<B, D> {
-    Written(Stage<B, D>, Done),
+    /// Boxed: the stage (settings, clients) dwarfs the other variants.
+    Written(Box<Stage<B, D>>, Done),
     Received(Result<Record, KafkaError>),
     DrainOver,
     Tick,
@@ -168,7 +169,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             let polling = !stopping && self.hold_or_release();
             let wake = tokio::select! {
                 biased;
-                (stage, done) = running(&mut writing) => Wake::Written(stage, done),
+                (stage, done) = running(&mut writing) => Wake::Written(Box::new(stage), done),
                 _ = shutdown.cancelled(), if drain_until.is_none() => Wake::Tick,
                 _ = sleep_until(drain_until) => Wake::DrainOver,
                 _ = sleep_until(self.write_at) => Wake::Tick,
@@ -179,7 +180,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             match wake {
                 Wake::Written(stage, done) => {
                     writing = None;
-                    self.finish(stage, done);
+                    self.finish(*stage, done);
                 }
                 Wake::Received(r) => self.received(r),
                 Wake::DrainOver => {
