@@ -65,13 +65,29 @@ impl OffsetTracker {
     pub fn handled(&mut self, tp: &TopicPartition, offset: i64) {
         if let Some(t) = self.parts.get_mut(tp) {
             t.in_flight.remove(&offset);
+            if t.in_flight.is_empty() && t.highest.is_none() {
+                self.parts.remove(tp); // revoked, and its last record is done
+            }
         }
     }
 
-    /// Keeps only the partitions `keep` accepts (the current assignment).
-    pub fn retain(&mut self, mut keep: impl FnMut(&TopicPartition) -> bool) {
-        self.parts.retain(|tp, _| keep(tp));
-        self.start.retain(|tp, _| keep(tp));
+    /// The partition was taken from us. What we consumed of it belongs to
+    /// its next owner, which re-reads from the last commit: its progress
+    /// here is forgotten. Its records still in flight are kept, though:
+    /// with batches in flight, the partition can be handed straight back
+    /// while an older batch still holds its records, and a commit of the
+    /// new assignment must not pass them before they are handled.
+    pub fn revoked(&mut self, tp: &TopicPartition) {
+        self.start.remove(tp);
+        let Some(t) = self.parts.get_mut(tp) else {
+            return;
+        };
+        if t.in_flight.is_empty() {
+            self.parts.remove(tp);
+        } else {
+            t.highest = None;
+            t.committed = None;
+        }
     }
 
     /// From now on, no partition commits past what has been consumed so
@@ -92,10 +108,15 @@ impl OffsetTracker {
     }
 
     /// Offsets (next to read) that advanced since the last call, per
-    /// partition, and marks them as handed out.
-    pub fn take_commits(&mut self) -> Vec<(TopicPartition, i64)> {
+    /// partition that `owned` accepts (the current assignment), and marks
+    /// them as handed out. A partition given away commits nothing here: its
+    /// new owner commits it.
+    pub fn take_commits(
+        &mut self,
+        owned: impl Fn(&TopicPartition) -> bool,
+    ) -> Vec<(TopicPartition, i64)> {
         let mut out = Vec::new();
-        for (tp, t) in self.parts.iter_mut() {
+        for (tp, t) in self.parts.iter_mut().filter(|(tp, _)| owned(tp)) {
             let start = self.start.get(tp).copied().unwrap_or(i64::MIN);
             let cap = match &self.ceiling {
                 None => i64::MAX,
@@ -126,6 +147,10 @@ mod tests {
         ("t".to_string(), p)
     }
 
+    fn all(_: &TopicPartition) -> bool {
+        true
+    }
+
     #[test]
     fn a_frozen_tracker_commits_only_what_was_consumed_before() {
         let mut t = OffsetTracker::new();
@@ -139,12 +164,12 @@ mod tests {
         for (p, o) in [(0, 0), (0, 1), (0, 2), (0, 3), (0, 7), (1, 0)] {
             t.handled(&tp(p), o);
         }
-        assert_eq!(t.take_commits(), vec![(tp(0), 4)]);
+        assert_eq!(t.take_commits(all), vec![(tp(0), 4)]);
         t.freeze();
         t.consumed(&tp(0), 8);
         t.handled(&tp(0), 8);
         assert!(
-            t.take_commits().is_empty(),
+            t.take_commits(all).is_empty(),
             "a second freeze raises nothing"
         );
     }
@@ -155,16 +180,24 @@ mod tests {
         for o in 10..15 {
             t.consumed(&tp(0), o);
         }
-        assert!(t.take_commits().is_empty(), "nothing handled yet");
+        assert!(t.take_commits(all).is_empty(), "nothing handled yet");
         t.handled(&tp(0), 10);
         t.handled(&tp(0), 12); // a later success...
-        assert_eq!(t.take_commits(), vec![(tp(0), 11)], "...does not skip 11");
+        assert_eq!(
+            t.take_commits(all),
+            vec![(tp(0), 11)],
+            "...does not skip 11"
+        );
         t.handled(&tp(0), 11);
-        assert_eq!(t.take_commits(), vec![(tp(0), 13)]);
+        assert_eq!(t.take_commits(all), vec![(tp(0), 13)]);
         t.handled(&tp(0), 13);
         t.handled(&tp(0), 14);
-        assert_eq!(t.take_commits(), vec![(tp(0), 15)], "offset + 1 convention");
-        assert!(t.take_commits().is_empty(), "nothing new to commit");
+        assert_eq!(
+            t.take_commits(all),
+            vec![(tp(0), 15)],
+            "offset + 1 convention"
+        );
+        assert!(t.take_commits(all).is_empty(), "nothing new to commit");
     }
 
     #[test]
@@ -176,7 +209,7 @@ mod tests {
             t.consumed(&tp(1), o);
             t.handled(&tp(1), o);
         }
-        assert_eq!(t.take_commits(), vec![(tp(1), 21)]);
+        assert_eq!(t.take_commits(all), vec![(tp(1), 21)]);
     }
 
     #[test]
@@ -185,12 +218,42 @@ mod tests {
         t.consumed(&tp(0), 0);
         t.consumed(&tp(1), 0);
         t.handled(&tp(1), 0);
-        assert_eq!(t.take_commits(), vec![(tp(1), 1)]);
+        assert_eq!(t.take_commits(all), vec![(tp(1), 1)]);
         assert_eq!(t.in_flight(), 1);
-        t.retain(|p| *p != tp(0));
+        t.revoked(&tp(0));
+        let theirs = |p: &TopicPartition| *p != tp(0);
+        t.handled(&tp(0), 0); // late completion after revoke
+        assert!(t.take_commits(theirs).is_empty());
         assert_eq!(t.in_flight(), 0);
-        t.handled(&tp(0), 0); // late completion after revoke: ignored
-        assert!(t.take_commits().is_empty());
+        assert!(
+            t.take_commits(all).is_empty(),
+            "a revoked partition's progress is forgotten"
+        );
+    }
+
+    /// Two batches in flight: partition 0 is revoked while the older batch
+    /// still holds its offsets 0..3, then handed straight back, and the
+    /// newer batch (offsets 3..6, where librdkafka resumes) finishes
+    /// first. Its commit must not pass the older batch's records.
+    #[test]
+    fn a_partition_handed_back_waits_for_its_older_batch() {
+        let mut t = OffsetTracker::new();
+        for o in 0..3 {
+            t.consumed(&tp(0), o);
+        }
+        t.revoked(&tp(0));
+        for o in 3..6 {
+            t.consumed(&tp(0), o);
+            t.handled(&tp(0), o);
+        }
+        assert!(
+            t.take_commits(all).is_empty(),
+            "offsets 0..3 are still being written"
+        );
+        for o in 0..3 {
+            t.handled(&tp(0), o);
+        }
+        assert_eq!(t.take_commits(all), vec![(tp(0), 6)]);
     }
 
     proptest! {
@@ -217,7 +280,7 @@ mod tests {
                     Some(first) => Some(offsets[first]),
                     None => Some(offsets[n - 1] + 1),
                 };
-                let got = t.take_commits().first().map(|(_, o)| *o);
+                let got = t.take_commits(all).first().map(|(_, o)| *o);
                 if expected != last {
                     prop_assert_eq!(got, expected);
                     last = expected;

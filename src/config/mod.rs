@@ -206,9 +206,16 @@ pub struct BatchSettings {
     pub max_events: usize,
     /// ...or this many payload bytes...
     pub max_bytes: usize,
-    /// ...or when this long has passed since its first event.
+    /// ...or, while nothing is being written, as soon as the consumer has
+    /// nothing more queued, and at the latest this long after its first
+    /// event even if records keep coming.
     #[serde(with = "humantime_serde")]
     pub linger: Duration,
+    /// Batches taken from the consumer and not yet committed, counting the
+    /// one being filled: bounds memory to about this many times
+    /// `max_bytes`. One batch is written at a time; the others are filled
+    /// and decoded meanwhile. 1 is the sequential loop.
+    pub max_in_flight: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -473,6 +480,9 @@ impl Settings {
                 "batch.max_events",
                 "batch.max_events and batch.max_bytes must be positive",
             ));
+        }
+        if self.batch.max_in_flight == 0 {
+            return Err(invalid("batch.max_in_flight", "must be at least 1"));
         }
         Ok(())
     }

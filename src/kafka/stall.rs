@@ -14,8 +14,13 @@
 //! suspect is *stalled* when Kafka says records are waiting past its
 //! position (a ListOffsets query: statistics' high watermark is only as
 //! fresh as the last fetch that worked).
+//!
+//! A partition the worker has paused (backpressure: a write being retried,
+//! the in-flight bound) is not fetched on purpose, and librdkafka drops
+//! what it had queued of it: it is never a suspect, and its window starts
+//! afresh when it is resumed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use crate::offsets::TopicPartition;
@@ -59,6 +64,8 @@ impl std::fmt::Display for Stalled {
 pub struct StallWatch {
     window: Duration,
     parts: BTreeMap<TopicPartition, Progress>,
+    /// Paused by the worker: not read on purpose.
+    paused: BTreeSet<TopicPartition>,
 }
 
 impl StallWatch {
@@ -66,6 +73,23 @@ impl StallWatch {
         StallWatch {
             window,
             parts: BTreeMap::new(),
+            paused: BTreeSet::new(),
+        }
+    }
+
+    /// The worker paused these partitions: they are not read on purpose.
+    pub fn paused(&mut self, tps: &[TopicPartition]) {
+        self.paused.extend(tps.iter().cloned());
+    }
+
+    /// The worker resumed these partitions: each starts a fresh window now
+    /// (its position could not move while it was paused).
+    pub fn resumed(&mut self, tps: &[TopicPartition], now: Instant) {
+        for tp in tps {
+            self.paused.remove(tp);
+            if let Some(p) = self.parts.get_mut(tp) {
+                p.since = now;
+            }
         }
     }
 
@@ -92,6 +116,7 @@ impl StallWatch {
     pub fn suspects(&self, now: Instant) -> Vec<(TopicPartition, i64)> {
         self.parts
             .iter()
+            .filter(|(tp, _)| !self.paused.contains(*tp))
             .filter(|(_, p)| now.saturating_duration_since(p.since) >= self.window)
             .map(|(tp, p)| (tp.clone(), p.next))
             .collect()
@@ -154,6 +179,25 @@ mod tests {
         w.observe(&tp(1), seen(9, 400), t0 + Duration::from_secs(50));
         assert!(w.suspects(t0 + Duration::from_secs(100)).is_empty());
         assert_eq!(w.suspects(t0 + Duration::from_secs(110)).len(), 2);
+    }
+
+    #[test]
+    fn a_paused_partition_is_not_suspect_and_starts_a_new_window_on_resume() {
+        let t0 = Instant::now();
+        let mut w = StallWatch::new(W);
+        w.observe(&tp(0), seen(5, 0), t0);
+        w.observe(&tp(1), seen(9, 0), t0);
+        w.paused(&[tp(0)]);
+        // Paused for two windows: not fetched, nothing queued, on purpose.
+        w.observe(&tp(0), seen(5, 0), t0 + 2 * W);
+        assert_eq!(w.suspects(t0 + 2 * W), vec![(tp(1), 9)]);
+        w.resumed(&[tp(0)], t0 + 2 * W);
+        assert_eq!(w.suspects(t0 + 3 * W - Duration::from_secs(1)).len(), 1);
+        assert_eq!(
+            w.suspects(t0 + 3 * W).len(),
+            2,
+            "a fresh window after resume"
+        );
     }
 
     #[test]

@@ -30,6 +30,8 @@ use crate::offsets::TopicPartition;
 pub(crate) struct KafkaIntake {
     consumer: StreamConsumer<ConsumerCtx>,
     events: Receiver<GroupEvent>,
+    /// Told which partitions are paused on purpose (never stalled).
+    stalls: Arc<Mutex<StallWatch>>,
     metrics: Metrics,
 }
 
@@ -38,8 +40,17 @@ impl KafkaIntake {
         KafkaIntake {
             consumer: group.consumer,
             events: group.events,
+            stalls: group.stalls,
             metrics,
         }
+    }
+
+    fn list(tps: &[TopicPartition]) -> TopicPartitionList {
+        let mut tpl = TopicPartitionList::new();
+        for (topic, partition) in tps {
+            tpl.add_partition(topic, *partition);
+        }
+        tpl
     }
 
     fn commit_failed(&self, e: &KafkaError) {
@@ -92,6 +103,30 @@ impl Intake for KafkaIntake {
             Ok(()) => {}
             Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
             Err(e) => self.commit_failed(&e),
+        }
+    }
+
+    /// librdkafka (2.12, `rd_kafka_toppar_pause_resume`) bumps the
+    /// partition's op version, so records it had fetched and not yet
+    /// delivered are dropped from its queue, and sets the next fetch to
+    /// the position after the last record *delivered* to us: nothing
+    /// delivered is lost (it is in our batches) and nothing undelivered is
+    /// skipped (it is fetched again on resume).
+    fn pause(&mut self, tps: &[TopicPartition]) {
+        if let Ok(mut stalls) = self.stalls.lock() {
+            stalls.paused(tps);
+        }
+        if let Err(e) = self.consumer.pause(&Self::list(tps)) {
+            tracing::warn!(error = %e, "cannot pause partitions");
+        }
+    }
+
+    fn resume(&mut self, tps: &[TopicPartition]) {
+        if let Err(e) = self.consumer.resume(&Self::list(tps)) {
+            tracing::warn!(error = %e, "cannot resume partitions");
+        }
+        if let Ok(mut stalls) = self.stalls.lock() {
+            stalls.resumed(tps, Instant::now());
         }
     }
 

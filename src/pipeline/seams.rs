@@ -45,7 +45,8 @@ impl Record {
 /// The consumer side: records in, offsets out.
 pub(crate) trait Intake {
     /// The next record, or a consumer error to report. Must be cancel-safe:
-    /// the loop races it against its linger, idle and shutdown timers.
+    /// the loop races it against its writes and timers, and polls it once
+    /// without waiting to learn whether anything is queued.
     async fn recv(&mut self) -> Result<Record, KafkaError>;
 
     /// Assignment changes since the last call, in order.
@@ -56,6 +57,15 @@ pub(crate) trait Intake {
     /// was stored before (the last one, at shutdown); an `Async` one does
     /// nothing.
     fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: CommitMode);
+
+    /// Stops fetching these partitions; the consumer must still be polled
+    /// (`recv`), which keeps the member in its group. Records delivered
+    /// before are the caller's; librdkafka fetches again from after the
+    /// last delivered one on `resume`.
+    fn pause(&mut self, tps: &[TopicPartition]);
+
+    /// Fetches the paused partitions again.
+    fn resume(&mut self, tps: &[TopicPartition]);
 
     /// Leaves the consumer group, so the partitions move on at once.
     fn leave(&mut self);

@@ -38,6 +38,12 @@ struct Seen {
     commits: Vec<Commit>,
     /// Each dead-letter send attempt: when, and the source offset.
     dead_letters: Vec<(Duration, i64)>,
+    /// Each pause (`true`) and resume: when, which partitions.
+    pauses: Vec<(Duration, Vec<TopicPartition>, bool)>,
+    /// Calls of `recv`: the consumer being polled.
+    polls: usize,
+    /// Calls of `recv` while paused (what keeps a held member in its group).
+    polls_paused: usize,
     left: bool,
 }
 
@@ -58,10 +64,21 @@ struct FakeIntake {
     events: Arc<Mutex<Vec<GroupEvent>>>,
     seen: Shared,
     start: Instant,
+    paused: bool,
 }
 
 impl Intake for FakeIntake {
     async fn recv(&mut self) -> Result<Record, KafkaError> {
+        {
+            let mut seen = self.seen.lock().unwrap();
+            seen.polls += 1;
+            seen.polls_paused += usize::from(self.paused);
+        }
+        if self.paused {
+            // librdkafka delivers nothing of a paused partition (it drops
+            // what it had queued and fetches it again on resume).
+            std::future::pending::<()>().await;
+        }
         match self.records.recv().await {
             Some(r) => r,
             None => std::future::pending().await,
@@ -82,6 +99,26 @@ impl Intake for FakeIntake {
             };
             seen.commits.push((at, offsets.to_vec(), mode));
         }
+    }
+
+    fn pause(&mut self, tps: &[TopicPartition]) {
+        self.paused = true;
+        let at = self.start.elapsed();
+        self.seen
+            .lock()
+            .unwrap()
+            .pauses
+            .push((at, tps.to_vec(), true));
+    }
+
+    fn resume(&mut self, tps: &[TopicPartition]) {
+        self.paused = false;
+        let at = self.start.elapsed();
+        self.seen
+            .lock()
+            .unwrap()
+            .pauses
+            .push((at, tps.to_vec(), false));
     }
 
     fn leave(&mut self) {
@@ -167,7 +204,13 @@ struct Options {
     dead_letter_failures: usize,
     max_events: Option<usize>,
     max_bytes: Option<usize>,
+    max_in_flight: Option<usize>,
     dead_letter_max_payload: Option<usize>,
+    /// `rate_limit.events_per_second`.
+    rate_limit: Option<u64>,
+    /// `kafka.max_poll_interval` (the hold's grace is a quarter of it at
+    /// most).
+    max_poll_interval: Option<Duration>,
 }
 
 fn settings(max_events: Option<usize>, max_bytes: Option<usize>) -> Settings {
@@ -199,6 +242,7 @@ impl Harness {
             events: events.clone(),
             seen: seen.clone(),
             start,
+            paused: false,
         };
         let buckets = FakeBuckets {
             failures: o.write_failures,
@@ -215,8 +259,18 @@ impl Harness {
         let health = Arc::new(Health::default());
         health.subscribed.store(true, Ordering::Relaxed);
         health.mongodb_reachable.store(true, Ordering::Relaxed);
+        let mut settings = settings(o.max_events, o.max_bytes);
+        if let Some(n) = o.max_in_flight {
+            settings.batch.max_in_flight = n;
+        }
+        if let Some(n) = o.rate_limit {
+            settings.rate_limit.events_per_second = n;
+        }
+        if let Some(d) = o.max_poll_interval {
+            settings.kafka.max_poll_interval = d;
+        }
         let worker = Worker::new(
-            settings(o.max_events, o.max_bytes),
+            settings,
             intake,
             buckets,
             dead_letters,
@@ -290,8 +344,34 @@ fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
+/// A light load: a batch closes as soon as the consumer has nothing more
+/// queued, with no fixed wait, and what comes while it is written forms
+/// the next one.
 #[tokio::test(start_paused = true)]
-async fn linger_closes_a_batch_and_a_full_batch_does_not_wait() {
+async fn a_light_load_batch_closes_as_soon_as_nothing_is_queued() {
+    let h = Harness::start(
+        Options {
+            write_delay: ms(30),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true);
+    h.until(ms(1)).await;
+    assert_eq!(h.writes(), vec![(ms(0), vec![0, 1, 2])], "written at once");
+    // Two arrive while the first batch is written: they wait for it.
+    h.send(0, [3], true);
+    h.until(ms(10)).await;
+    h.send(0, [4], true);
+    h.until(ms(100)).await;
+    assert_eq!(h.writes()[1], (ms(30), vec![3, 4]));
+    h.stop().await;
+}
+
+/// A backlog: batches fill to their bound while the previous one is
+/// written.
+#[tokio::test(start_paused = true)]
+async fn under_a_backlog_batches_fill_to_their_bound() {
     let h = Harness::start(
         Options {
             max_events: Some(4),
@@ -299,22 +379,10 @@ async fn linger_closes_a_batch_and_a_full_batch_does_not_wait() {
         },
         &[0],
     );
-    h.send(0, 0..3, true);
-    h.until(ms(49)).await;
-    assert!(
-        h.writes().is_empty(),
-        "nothing is written before the linger"
-    );
-    h.until(ms(51)).await;
-    assert_eq!(h.writes(), vec![(LINGER, vec![0, 1, 2])]);
-
-    // Ten more at once: two full batches at once, the rest after a linger.
-    h.send(0, 3..13, true);
-    h.until(ms(200)).await;
-    let writes = h.writes();
-    assert_eq!(writes[1], (ms(51), vec![3, 4, 5, 6]));
-    assert_eq!(writes[2], (ms(51), vec![7, 8, 9, 10]));
-    assert_eq!(writes[3], (ms(101), vec![11, 12]));
+    h.send(0, 0..10, true);
+    h.until(ms(10)).await;
+    let writes: Vec<Vec<i64>> = h.writes().into_iter().map(|w| w.1).collect();
+    assert_eq!(writes, vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8, 9]]);
     h.stop().await;
 }
 
@@ -336,11 +404,11 @@ async fn a_failed_write_is_retried_with_backoff_and_not_committed_until_it_succe
     );
     h.until(ms(1000)).await;
     let attempts: Vec<Duration> = h.writes().iter().map(|w| w.0).collect();
-    // Linger, then waits of 100, 200 and 400 ms (no jitter here).
-    assert_eq!(attempts, vec![ms(50), ms(150), ms(350), ms(750)]);
+    // At once, then after waits of 100, 200 and 400 ms (no jitter here).
+    assert_eq!(attempts, vec![ms(0), ms(100), ms(300), ms(700)]);
     assert_eq!(
         h.commits(),
-        vec![(ms(750), vec![(tp(0), 5)], Mode::Async)],
+        vec![(ms(700), vec![(tp(0), 5)], Mode::Async)],
         "one commit, after the successful attempt, of the next offset to read"
     );
     h.stop().await;
@@ -370,16 +438,16 @@ async fn commits_wait_for_dead_letters_and_name_the_contiguous_prefix() {
     );
     h.until(ms(1000)).await;
     let dead: Vec<(Duration, i64)> = h.seen.lock().unwrap().dead_letters.clone();
-    assert_eq!(dead, vec![(ms(50), 2), (ms(150), 2), (ms(350), 2)]);
+    assert_eq!(dead, vec![(ms(0), 2), (ms(100), 2), (ms(300), 2)]);
     assert_eq!(
         h.commits(),
-        vec![(ms(350), vec![(tp(0), 4), (tp(1), 2)], Mode::Async)]
+        vec![(ms(300), vec![(tp(0), 4), (tp(1), 2)], Mode::Async)]
     );
 
     // A later batch moves each partition on from where it was.
     h.send(1, [2], true);
     h.until(ms(2000)).await;
-    assert_eq!(h.commits()[1], (ms(1050), vec![(tp(1), 3)], Mode::Async));
+    assert_eq!(h.commits()[1], (ms(1000), vec![(tp(1), 3)], Mode::Async));
     h.stop().await;
 }
 
@@ -393,8 +461,8 @@ async fn a_revoked_partition_is_written_but_committed_only_by_its_owner() {
         .unwrap()
         .push(GroupEvent::Revoked(vec![tp(1)]));
     h.until(ms(100)).await;
-    assert_eq!(h.writes(), vec![(LINGER, vec![0, 1, 0, 1])]);
-    assert_eq!(h.commits(), vec![(LINGER, vec![(tp(0), 2)], Mode::Async)]);
+    assert_eq!(h.writes(), vec![(ms(0), vec![0, 1, 0, 1])]);
+    assert_eq!(h.commits(), vec![(ms(0), vec![(tp(0), 2)], Mode::Async)]);
     h.stop().await;
 }
 
@@ -444,8 +512,8 @@ async fn a_batch_finishing_within_the_drain_is_committed_at_shutdown() {
     assert_eq!(
         seen.commits,
         vec![
-            (ms(2050), vec![(tp(0), 3)], Mode::Async),
-            (ms(2050), vec![], Mode::Sync),
+            (ms(2000), vec![(tp(0), 3)], Mode::Async),
+            (ms(2000), vec![], Mode::Sync),
         ]
     );
 }
@@ -470,11 +538,9 @@ async fn the_batch_bound_counts_keys_and_headers_not_just_payloads() {
     h.until(ms(10)).await;
     assert_eq!(
         h.writes(),
-        vec![(ms(0), vec![0, 1]), (ms(0), vec![2, 3])],
-        "full batches, without waiting for the linger"
+        vec![(ms(0), vec![0, 1]), (ms(0), vec![2, 3]), (ms(0), vec![4])],
+        "full batches, then the rest"
     );
-    h.until(ms(100)).await;
-    assert_eq!(h.writes()[2], (LINGER, vec![4]));
     h.stop().await;
 }
 
@@ -495,10 +561,10 @@ async fn a_dead_letter_too_large_for_its_topic_goes_shortened_at_once() {
     let dead = h.seen.lock().unwrap().dead_letters.clone();
     assert_eq!(
         dead,
-        vec![(LINGER, 0), (LINGER, 0)],
+        vec![(ms(0), 0), (ms(0), 0)],
         "refused for its size, then sent shortened without waiting"
     );
-    assert_eq!(h.commits(), vec![(LINGER, vec![(tp(0), 2)], Mode::Async)]);
+    assert_eq!(h.commits(), vec![(ms(0), vec![(tp(0), 2)], Mode::Async)]);
     assert_eq!(h.health.readiness(), Ok(()));
     h.stop().await;
 }
@@ -579,5 +645,149 @@ async fn liveness_ticks_while_a_batch_is_written() {
     h.until(Duration::from_secs(5)).await;
     assert!(h.commits().is_empty(), "still writing");
     assert_ne!(h.health.last_tick_ms.load(Ordering::Relaxed), 1);
+    h.stop().await;
+}
+
+/// Two batches in flight: the second is filled while the first is written,
+/// and each commit names only what its own batch completed, in order.
+#[tokio::test(start_paused = true)]
+async fn commits_follow_the_batches_in_order_with_two_in_flight() {
+    let h = Harness::start(
+        Options {
+            write_delay: ms(100),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true);
+    h.until(ms(10)).await;
+    h.send(0, 3..5, true); // consumed while the first batch is written
+    h.until(ms(150)).await;
+    assert_eq!(
+        h.commits(),
+        vec![(ms(100), vec![(tp(0), 3)], Mode::Async)],
+        "the first batch commits up to its own end, not past the second's records"
+    );
+    h.until(ms(300)).await;
+    assert_eq!(
+        h.writes(),
+        vec![(ms(0), vec![0, 1, 2]), (ms(100), vec![3, 4])]
+    );
+    assert_eq!(h.commits()[1], (ms(200), vec![(tp(0), 5)], Mode::Async));
+    h.stop().await;
+}
+
+/// A partition revoked while its records are being written: the write
+/// finishes (a delivered record is never dropped), and only the partitions
+/// still ours are committed.
+#[tokio::test(start_paused = true)]
+async fn a_partition_revoked_during_its_write_is_written_and_not_committed() {
+    let h = Harness::start(
+        Options {
+            write_delay: ms(100),
+            ..Options::default()
+        },
+        &[0, 1],
+    );
+    h.send(0, 0..2, true);
+    h.send(1, 0..2, true);
+    h.until(ms(10)).await;
+    assert_eq!(h.writes(), vec![(ms(0), vec![0, 1, 0, 1])], "being written");
+    h.events
+        .lock()
+        .unwrap()
+        .push(GroupEvent::Revoked(vec![tp(1)]));
+    h.until(ms(200)).await;
+    assert_eq!(h.writes().len(), 1, "written once, to the end");
+    assert_eq!(h.commits(), vec![(ms(100), vec![(tp(0), 2)], Mode::Async)]);
+    h.stop().await;
+}
+
+/// At the in-flight bound the loop takes no more records; once that has
+/// lasted the grace it pauses the partitions and keeps polling the
+/// consumer (a long outage costs no rebalance); it resumes when a batch
+/// is done.
+#[tokio::test(start_paused = true)]
+async fn backpressure_at_the_bound_pauses_and_polls_on() {
+    let h = Harness::start(
+        Options {
+            write_delay: Duration::from_secs(20),
+            max_events: Some(2),
+            max_in_flight: Some(2),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..10, true);
+    h.until(ms(100)).await;
+    assert_eq!(h.writes(), vec![(ms(0), vec![0, 1])]);
+    assert_eq!(
+        h.seen.lock().unwrap().polls,
+        4,
+        "two batches taken (one written, one waiting), nothing more"
+    );
+    h.until(super::worker::HOLD_GRACE - ms(1)).await;
+    assert!(
+        h.seen.lock().unwrap().pauses.is_empty(),
+        "a short hold does not pause"
+    );
+    h.until(super::worker::HOLD_GRACE + ms(1)).await;
+    let pauses = h.seen.lock().unwrap().pauses.clone();
+    assert_eq!(pauses, vec![(super::worker::HOLD_GRACE, vec![tp(0)], true)]);
+    let polls = h.seen.lock().unwrap().polls;
+    h.until(Duration::from_secs(15)).await;
+    assert!(
+        h.seen.lock().unwrap().polls >= polls + 8,
+        "the consumer is polled while paused"
+    );
+    h.until(Duration::from_secs(21)).await;
+    {
+        let seen = h.seen.lock().unwrap();
+        assert_eq!(
+            seen.pauses[1],
+            (Duration::from_secs(20), vec![tp(0)], false),
+            "resumed when the first batch is done"
+        );
+        assert_eq!(seen.writes[1], (Duration::from_secs(20), vec![2, 3]));
+    }
+    h.stop().await;
+}
+
+/// Under a rate limit a batch holds one second of it (two events at 2/s)
+/// and waits queued for its turn: the loop holds at the bound meanwhile,
+/// and past the grace (a quarter of `max.poll.interval.ms`) it pauses the
+/// partitions and keeps polling, so a low limit costs no rebalance.
+#[tokio::test(start_paused = true)]
+async fn the_rate_limit_spaces_batches_with_partitions_paused_and_polled() {
+    let h = Harness::start(
+        Options {
+            rate_limit: Some(2),
+            max_poll_interval: Some(Duration::from_secs(2)),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..8, true);
+    h.until(Duration::from_millis(3_100)).await;
+    let s = |n: u64| Duration::from_secs(n);
+    assert_eq!(
+        h.writes(),
+        vec![
+            (ms(0), vec![0, 1]),
+            (s(1), vec![2, 3]),
+            (s(2), vec![4, 5]),
+            (s(3), vec![6, 7]),
+        ],
+        "one second of the rate per batch, a second apart"
+    );
+    {
+        let seen = h.seen.lock().unwrap();
+        assert_eq!(
+            seen.pauses[..2],
+            [(ms(500), vec![tp(0)], true), (s(1), vec![tp(0)], false)],
+            "paused after the grace while a batch waits for the limit, resumed when it goes"
+        );
+        assert!(seen.polls_paused > 0, "polled while paused");
+    }
     h.stop().await;
 }

@@ -6,6 +6,7 @@ mod dlq;
 mod network;
 mod operator;
 mod ops;
+mod outage;
 mod pipeline;
 mod plumbing;
 mod writer;

@@ -1,0 +1,296 @@
+//! The write stage: one closed batch at a time, its trades written to
+//! buckets (retried until every event has an outcome), then its dead
+//! letters sent and acknowledged. The stage owns the bucket writer and the
+//! dead-letter producer, and moves into the future of the batch it handles
+//! and back out when that is done, so the loop keeps polling the consumer,
+//! filling the next batch and committing meanwhile (see `Worker::run`).
+//!
+//! One stage, one batch at a time, is what keeps each customer's order:
+//! batch k+1's trades are written only after batch k's are settled.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rdkafka::error::KafkaError;
+
+use super::seams::{BucketSink, DeadLetterSink, Record};
+use super::{error_chain, HOT_LOG_EVERY};
+use crate::bucket::writer::{Outcome, WriteStats};
+use crate::config::Settings;
+use crate::event::{self, Identity, Reject, Source, Trade};
+use crate::health::Health;
+use crate::kafka::{self, DeadLetter};
+use crate::metrics::Metrics;
+use crate::retry::Backoff;
+use crate::throttle::Throttle;
+
+/// A batch's events after decoding.
+pub(super) struct Decoded {
+    events: Vec<(Trade, Source)>,
+    /// For each event, the index of its record in the batch.
+    record_of: Vec<usize>,
+    /// Records to dead-letter, by batch index, with why.
+    dead: Vec<(usize, Reject)>,
+}
+
+impl Decoded {
+    /// How many of the batch's records decoded to trades (what the rate
+    /// limit counts).
+    pub fn events(&self) -> usize {
+        self.events.len()
+    }
+}
+
+/// A batch closed for writing: its records (for dead letters and the
+/// commit) and their decoding.
+pub(super) struct Closed {
+    pub records: Vec<Record>,
+    pub decoded: Decoded,
+}
+
+/// A batch whose every event is handled: written, found already stored,
+/// or dead-lettered and acknowledged.
+pub(super) struct Done {
+    pub records: Vec<Record>,
+    pub counts: OutcomeCounts,
+    pub stats: WriteStats,
+    /// When the stage took the batch.
+    pub started: Instant,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct OutcomeCounts {
+    pub written: u64,
+    pub applied: u64,
+    pub duplicates: u64,
+    pub dead_lettered: u64,
+}
+
+pub(super) struct Stage<B, D> {
+    buckets: B,
+    dead_letters: D,
+    settings: Settings,
+    metrics: Metrics,
+    health: Arc<Health>,
+    /// Dead letters are logged at warn at most once per second.
+    dead_letter_log: Throttle,
+    /// A revocation happened since the last batch: cached buckets are
+    /// forgotten before this one (another instance may now write our
+    /// former customers). A batch being written when it happened goes on
+    /// with its cache: every write is guarded, so a stale entry costs a
+    /// conflict, never a wrong write.
+    pub forget: bool,
+}
+
+impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
+    pub fn new(
+        buckets: B,
+        dead_letters: D,
+        settings: Settings,
+        metrics: Metrics,
+        health: Arc<Health>,
+    ) -> Self {
+        Stage {
+            buckets,
+            dead_letters,
+            settings,
+            metrics,
+            health,
+            dead_letter_log: Throttle::new(HOT_LOG_EVERY),
+            forget: false,
+        }
+    }
+
+    /// Handles `batch` and hands the stage back with the result.
+    pub async fn handle(mut self, batch: Closed) -> (Self, Done) {
+        let started = Instant::now();
+        if std::mem::take(&mut self.forget) {
+            self.buckets.forget_all();
+        }
+        let Closed { records, decoded } = batch;
+        let Decoded {
+            events,
+            record_of,
+            mut dead,
+        } = decoded;
+        let (outcomes, stats) = self.write_until_done(&events).await;
+        let mut counts = OutcomeCounts::default();
+        for (j, outcome) in outcomes.into_iter().enumerate() {
+            match outcome {
+                Outcome::Written => counts.written += 1,
+                Outcome::AlreadyApplied => counts.applied += 1,
+                Outcome::Duplicate => counts.duplicates += 1,
+                Outcome::DeadLetter(r) => dead.push((record_of[j], r)),
+                Outcome::Pending => unreachable!("write returned Ok with a pending event"),
+            }
+        }
+        counts.dead_lettered = dead.len() as u64;
+        self.dead_letter(&records, &dead).await;
+        let done = Done {
+            records,
+            counts,
+            stats,
+            started,
+        };
+        (self, done)
+    }
+
+    /// Writes the batch's events, retrying with backoff until every event
+    /// has an outcome. The loop keeps polling the consumer meanwhile (its
+    /// partitions paused once it holds), so an outage of any length costs
+    /// no rebalance.
+    async fn write_until_done(&mut self, events: &[(Trade, Source)]) -> (Vec<Outcome>, WriteStats) {
+        let mut outcomes = vec![Outcome::Pending; events.len()];
+        let mut backoff = Backoff::new(&self.settings.retry);
+        loop {
+            match self.buckets.write(events, &mut outcomes).await {
+                Ok(stats) => {
+                    self.health.write_succeeded();
+                    return (outcomes, stats);
+                }
+                Err(e) => {
+                    self.health.write_failed(e.readiness_reason());
+                    if let Some(operation) = e.timeout_operation() {
+                        self.metrics.timeouts.with_label_values(&[operation]).inc();
+                    }
+                    self.metrics.retries.with_label_values(&["mongodb"]).inc();
+                    let wait = backoff.next_wait();
+                    tracing::warn!(error = %error_chain(&e), retry_in = ?wait, "bucket write failed; retrying");
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+
+    /// Sends every dead letter and waits for all acknowledgements; retries
+    /// the failed ones until they succeed, because committing past an
+    /// unrecorded bad event would lose it silently. A record refused for
+    /// its size is sent again at once, shortened (it would never fit);
+    /// any other refusal holds the partition, and readiness says so.
+    async fn dead_letter(&mut self, batch: &[Record], dead: &[(usize, Reject)]) {
+        let mut todo: Vec<DeadLetter> = dead
+            .iter()
+            .map(|(i, reject)| dead_letter_of(&batch[*i], reject))
+            .collect();
+        let mut backoff = Backoff::new(&self.settings.retry);
+        while !todo.is_empty() {
+            let sends = todo.iter().map(|dl| self.dead_letters.send(dl));
+            let results = futures::future::join_all(sends).await;
+            let (mut failed, mut last_error) = (Vec::new(), None);
+            // Refused for their size: sent again at once, shortened.
+            let mut shortened = Vec::new();
+            for (dl, r) in todo.into_iter().zip(results) {
+                match r {
+                    Ok(()) => self.dead_lettered(&dl),
+                    Err(e) if DeadLetter::is_size_refusal(&e) && dl.shortened.is_none() => {
+                        tracing::warn!(topic = %dl.topic, partition = dl.partition, offset = dl.offset,
+                            "dead letter too large for the dead-letter topic; sending it shortened");
+                        shortened.push(dl.shortened());
+                    }
+                    Err(e) => {
+                        last_error = Some(e);
+                        failed.push(dl);
+                    }
+                }
+            }
+            self.health
+                .dead_letters_failing
+                .store(!failed.is_empty(), Ordering::Relaxed);
+            if !failed.is_empty() {
+                self.dead_letter_retry(failed.len(), last_error, &mut backoff)
+                    .await;
+            }
+            todo = failed;
+            todo.append(&mut shortened);
+        }
+    }
+
+    async fn dead_letter_retry(
+        &mut self,
+        failed: usize,
+        error: Option<KafkaError>,
+        backoff: &mut Backoff,
+    ) {
+        self.metrics
+            .retries
+            .with_label_values(&["dead_letter"])
+            .inc();
+        if error.as_ref().is_some_and(kafka::timed_out) {
+            self.metrics
+                .timeouts
+                .with_label_values(&["dead_letter"])
+                .inc();
+        }
+        let wait = backoff.next_wait();
+        tracing::error!(
+            failed,
+            error = ?error,
+            retry_in = ?wait,
+            "cannot write to the dead-letter topic; the partition waits"
+        );
+        tokio::time::sleep(wait).await;
+    }
+
+    /// Counts one acknowledged dead letter and logs it: every one at debug;
+    /// at warn, one per second with the count of those held back.
+    fn dead_lettered(&mut self, dl: &DeadLetter) {
+        let (kind, error) = (dl.reject.kind.as_str(), &dl.reject.message);
+        if let Some(suppressed) = self.dead_letter_log.admit(Instant::now()) {
+            tracing::warn!(kind, error = %error, topic = %dl.topic, partition = dl.partition,
+                offset = dl.offset, suppressed, "event dead-lettered");
+        } else {
+            tracing::debug!(kind, error = %error, topic = %dl.topic, partition = dl.partition,
+                offset = dl.offset, "event dead-lettered");
+        }
+        self.metrics
+            .events_dead_lettered
+            .with_label_values(&[kind])
+            .inc();
+    }
+}
+
+/// Decodes every record; the undecodable ones are to be dead-lettered.
+pub(super) fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
+    let mut d = Decoded {
+        events: Vec::with_capacity(batch.len()),
+        record_of: Vec::with_capacity(batch.len()),
+        dead: Vec::new(),
+    };
+    for (i, r) in batch.iter().enumerate() {
+        let source = Source {
+            topic: r.tp.0.clone(),
+            partition: r.tp.1,
+            offset: r.offset,
+        };
+        // A replayed dead letter keeps its original identity; `source`
+        // (its real position) stays the watermark key.
+        let decoded = kafka::replay_origin(&r.headers).and_then(|origin| {
+            let identity = origin
+                .as_ref()
+                .map_or(Identity::Read(&source), Identity::ReplayOf);
+            event::decode_as(r.payload.as_deref(), identity, max_bytes)
+        });
+        match decoded {
+            Ok(trade) => {
+                d.events.push((trade, source));
+                d.record_of.push(i);
+            }
+            Err(reject) => d.dead.push((i, reject)),
+        }
+    }
+    d
+}
+
+fn dead_letter_of(r: &Record, reject: &Reject) -> DeadLetter {
+    DeadLetter {
+        topic: r.tp.0.clone(),
+        partition: r.tp.1,
+        offset: r.offset,
+        key: r.key.clone(),
+        payload: r.payload.clone(),
+        headers: r.headers.clone(),
+        reject: reject.clone(),
+        shortened: None,
+    }
+}

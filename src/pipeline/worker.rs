@@ -1,0 +1,516 @@
+//! The pipelined loop. One task, three overlapping activities:
+//!
+//! - **fill**: records from the consumer go into the open batch; it closes
+//!   when full, or when the write stage is free and the consumer has
+//!   nothing more queued (a light load is written at once; under a backlog
+//!   the batch grows while the previous one is written), and is decoded;
+//! - **write**: the [`Stage`] takes closed batches one at a time, in order
+//!   (which keeps each customer's order), and hands each back handled;
+//! - **commit**: a handled batch's offsets are marked and committed
+//!   asynchronously (the tracker commits per partition only the prefix of
+//!   consumed offsets that is handled, so batches commit in order).
+//!
+//! At most `batch.max_in_flight` batches (the open one included) exist at
+//! once. At the bound the loop *holds*: it takes no more records; after
+//! [`HOLD_GRACE`] it pauses every assigned partition and polls the
+//! consumer again (librdkafka counts `max.poll.interval.ms` from the last
+//! poll), so a write retried through a long outage costs no rebalance and
+//! no memory. Whatever still arrives while paused is kept: a delivered
+//! record is never dropped.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use rdkafka::consumer::CommitMode;
+use rdkafka::error::KafkaError;
+use tokio::time::Instant as TokioInstant;
+use tokio_util::sync::CancellationToken;
+
+use super::seams::{BucketSink, DeadLetterSink, Intake, Record};
+use super::stage::{decode_batch, Closed, Done, Stage};
+use super::{PipelineError, HOT_LOG_EVERY, IDLE_TICK};
+use crate::config::Settings;
+use crate::health::{now_ms, Health};
+use crate::kafka::{self, GroupEvent};
+use crate::metrics::Metrics;
+use crate::offsets::{OffsetTracker, TopicPartition};
+use crate::ratelimit::RateLimit;
+use crate::throttle::Throttle;
+
+/// How long the loop may hold (take no records) before it pauses its
+/// partitions and polls again: long enough that an ordinary write at the
+/// in-flight bound never pauses (a pause drops librdkafka's prefetched
+/// records, fetched again on resume), short against `max.poll.interval.ms`
+/// (at most a quarter of it, see `hold_grace`).
+pub(super) const HOLD_GRACE: Duration = Duration::from_secs(5);
+
+/// The batch being filled.
+#[derive(Default)]
+struct Open {
+    records: Vec<Record>,
+    bytes: usize,
+    /// When its first record came (the linger bound counts from it).
+    since: Option<TokioInstant>,
+}
+
+/// What woke the loop.
+enum Wake<B, D> {
+    /// Boxed: the stage (settings, clients) dwarfs the other variants.
+    Written(Box<Stage<B, D>>, Done),
+    Received(Result<Record, KafkaError>),
+    DrainOver,
+    Tick,
+}
+
+/// The loop and what it owns, over any [`Intake`], [`BucketSink`] and
+/// [`DeadLetterSink`].
+pub(crate) struct Worker<I, B, D> {
+    settings: Settings,
+    intake: I,
+    /// The write stage while idle; `None` while its future (a local of
+    /// `run`, so that its type stays concrete and `Send` where B and D are)
+    /// holds it.
+    stage: Option<Stage<B, D>>,
+    open: Open,
+    /// Closed batches waiting for the stage, oldest first.
+    queued: VecDeque<Closed>,
+    tracker: OffsetTracker,
+    /// The partitions this member owns, from the intake's group events.
+    assignment: BTreeSet<TopicPartition>,
+    /// Since when the loop has held (taken no records at the bound).
+    held_since: Option<TokioInstant>,
+    /// Partitions paused by this hold (resumed, all of them, when it ends:
+    /// librdkafka keeps a partition paused across a revoke and reassign).
+    paused: BTreeSet<TopicPartition>,
+    metrics: Metrics,
+    health: Arc<Health>,
+    /// A revocation since the last dispatch: the stage forgets its cached
+    /// buckets before its next batch (see `Stage::forget`).
+    forget: bool,
+    /// A fatal consumer error: the loop ends after the batches in hand.
+    fatal: Option<String>,
+    consumer_error_log: Throttle,
+    /// `rate_limit.events_per_second`, reserved for each batch before it
+    /// goes to the stage.
+    rate_limit: RateLimit,
+    /// When the oldest queued batch, already reserved under the rate
+    /// limit, may go to the stage.
+    write_at: Option<TokioInstant>,
+}
+
+impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
+    pub fn new(
+        settings: Settings,
+        intake: I,
+        buckets: B,
+        dead_letters: D,
+        metrics: Metrics,
+        health: Arc<Health>,
+    ) -> Self {
+        let stage = Stage::new(
+            buckets,
+            dead_letters,
+            settings.clone(),
+            metrics.clone(),
+            health.clone(),
+        );
+        Worker {
+            intake,
+            stage: Some(stage),
+            open: Open::default(),
+            queued: VecDeque::new(),
+            tracker: OffsetTracker::new(),
+            assignment: BTreeSet::new(),
+            held_since: None,
+            paused: BTreeSet::new(),
+            metrics,
+            health,
+            forget: false,
+            fatal: None,
+            consumer_error_log: Throttle::new(HOT_LOG_EVERY),
+            rate_limit: RateLimit::new(settings.rate_limit.events_per_second),
+            write_at: None,
+            settings,
+        }
+    }
+
+    /// Runs until `shutdown` is cancelled, then drains (at most
+    /// `shutdown.drain_timeout`) and leaves the group; or, after a fatal
+    /// consumer error, writes what it holds and returns the error (the
+    /// process then exits non-zero, to be restarted).
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), PipelineError> {
+        let mut ticker = tokio::time::interval(IDLE_TICK);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut drain_until: Option<TokioInstant> = None;
+        let mut writing = None;
+        loop {
+            self.health.tick();
+            self.apply_group_events();
+            let stopping = shutdown.is_cancelled() || self.fatal.is_some();
+            if stopping {
+                self.close();
+                if shutdown.is_cancelled() && drain_until.is_none() {
+                    self.health.draining.store(true, Ordering::Relaxed);
+                    drain_until = Some(TokioInstant::now() + self.settings.shutdown.drain_timeout);
+                }
+            } else {
+                self.fill();
+            }
+            if let Some((stage, batch)) = self.dispatch() {
+                writing = Some(Box::pin(stage.handle(batch)));
+            }
+            if stopping && self.stage.is_some() && self.queued.is_empty() {
+                break;
+            }
+            let polling = !stopping && self.hold_or_release();
+            let wake = tokio::select! {
+                biased;
+                (stage, done) = running(&mut writing) => Wake::Written(Box::new(stage), done),
+                _ = shutdown.cancelled(), if drain_until.is_none() => Wake::Tick,
+                _ = sleep_until(drain_until) => Wake::DrainOver,
+                _ = sleep_until(self.write_at) => Wake::Tick,
+                _ = sleep_until(self.pause_due()), if !stopping => Wake::Tick,
+                r = self.intake.recv(), if polling => Wake::Received(r),
+                _ = ticker.tick() => Wake::Tick,
+            };
+            match wake {
+                Wake::Written(stage, done) => {
+                    writing = None;
+                    self.finish(*stage, done);
+                }
+                Wake::Received(r) => self.received(r),
+                Wake::DrainOver => {
+                    tracing::warn!(
+                        drain_timeout = ?self.settings.shutdown.drain_timeout,
+                        batches = self.queued.len() + 1,
+                        "in-flight batches abandoned at shutdown; their uncommitted events will be redelivered"
+                    );
+                    break;
+                }
+                Wake::Tick => {}
+            }
+        }
+        self.stop()
+    }
+
+    /// The final commit and leaving the group.
+    fn stop(mut self) -> Result<(), PipelineError> {
+        self.health.draining.store(true, Ordering::Relaxed);
+        self.commit(CommitMode::Sync);
+        self.intake.leave();
+        if let Some(fatal) = self.fatal.take() {
+            return Err(PipelineError::FatalConsumer(fatal));
+        }
+        tracing::info!("stopped: offsets committed, left the consumer group");
+        Ok(())
+    }
+
+    /// Batches in flight besides the open one: being written or waiting.
+    fn closed_in_flight(&self) -> usize {
+        self.queued.len() + usize::from(self.stage.is_none())
+    }
+
+    /// Whether the open batch may take another record: it is not full, and
+    /// it exists or the bound leaves room for it.
+    fn may_take(&self) -> bool {
+        let limits = &self.settings.batch;
+        // Under a rate limit a batch holds one second of it at most, so a
+        // batch's wait for the limit stays about a second.
+        let max_events = self.rate_limit.batch_cap(limits.max_events);
+        let full = self.open.records.len() >= max_events || self.open.bytes >= limits.max_bytes;
+        let room = !self.open.records.is_empty() || self.closed_in_flight() < limits.max_in_flight;
+        !full && room
+    }
+
+    /// Takes what the consumer has queued, without waiting, while the open
+    /// batch may grow; closes it when full, or when the stage is free and
+    /// nothing more is queued (or the linger bound passed).
+    fn fill(&mut self) {
+        while self.may_take() && self.fatal.is_none() {
+            match self.intake.recv().now_or_never() {
+                Some(r) => self.received(r),
+                None => break, // nothing queued
+            }
+            if self.stage_free() && self.lingered() {
+                break;
+            }
+        }
+        if !self.open.records.is_empty() && (!self.may_take() || self.stage_free()) {
+            self.close();
+        }
+    }
+
+    /// The stage is idle and nothing waits for it: a batch closed now is
+    /// written at once.
+    fn stage_free(&self) -> bool {
+        self.stage.is_some() && self.queued.is_empty()
+    }
+
+    fn lingered(&self) -> bool {
+        let linger = self.settings.batch.linger;
+        self.open.since.is_some_and(|t| t.elapsed() >= linger)
+    }
+
+    fn received(&mut self, r: Result<Record, KafkaError>) {
+        match r {
+            Ok(record) => {
+                self.tracker.consumed(&record.tp, record.offset);
+                self.open.bytes += record.size();
+                self.open.since.get_or_insert_with(TokioInstant::now);
+                self.open.records.push(record);
+            }
+            Err(e) => self.consumer_error(&e),
+        }
+    }
+
+    /// Closes the open batch (if it holds anything), decodes it and queues
+    /// it for the stage.
+    fn close(&mut self) {
+        let open = std::mem::take(&mut self.open);
+        if open.records.is_empty() {
+            return;
+        }
+        self.metrics
+            .events_consumed
+            .inc_by(open.records.len() as u64);
+        self.metrics
+            .in_flight_events
+            .set(self.tracker.in_flight() as i64);
+        let decoded = decode_batch(&open.records, self.settings.kafka.max_message_bytes);
+        self.queued.push_back(Closed {
+            records: open.records,
+            decoded,
+        });
+    }
+
+    /// The one place a batch goes to the write stage, oldest first, once
+    /// the rate limit lets its events through. Waiting for the limit, the
+    /// batch stays queued: the in-flight bound is reached, and the loop
+    /// holds the consumer as for any other backpressure (`hold_or_release`:
+    /// partitions paused and the consumer polled after the grace), so a low
+    /// limit never costs a rebalance.
+    fn dispatch(&mut self) -> Option<(Stage<B, D>, Closed)> {
+        if self.stage.is_none() || !self.rate_limit_passed()? {
+            return None;
+        }
+        let mut stage = self.stage.take()?;
+        stage.forget |= std::mem::take(&mut self.forget);
+        Some((stage, self.queued.pop_front()?))
+    }
+
+    /// Whether the oldest queued batch may be written now; `None` if
+    /// nothing is queued. Its events are reserved once, the wait counted
+    /// in `tradebucket_throttled_seconds_total`, and `write_at` wakes the
+    /// loop when it is over.
+    fn rate_limit_passed(&mut self) -> Option<bool> {
+        let events = self.queued.front()?.decoded.events();
+        let now = TokioInstant::now();
+        let at = *self.write_at.get_or_insert_with(|| {
+            let wait = self.rate_limit.reserve(events, now);
+            self.metrics.throttled_seconds.inc_by(wait.as_secs_f64());
+            now + wait
+        });
+        if at > now {
+            return Some(false);
+        }
+        self.write_at = None;
+        Some(true)
+    }
+
+    /// A batch is handled: its offsets may be committed.
+    fn finish(&mut self, stage: Stage<B, D>, done: Done) {
+        self.stage = Some(stage);
+        for r in &done.records {
+            self.tracker.handled(&r.tp, r.offset);
+        }
+        self.commit(CommitMode::Async);
+        self.observe(&done);
+    }
+
+    /// Holds at the in-flight bound: no records are taken; after the grace
+    /// the assigned partitions are paused and the consumer is polled again.
+    /// Releases (resumes) once there is room. `true` if the consumer is to
+    /// be polled.
+    fn hold_or_release(&mut self) -> bool {
+        if self.may_take() {
+            self.held_since = None;
+            if !self.paused.is_empty() {
+                let paused: Vec<TopicPartition> =
+                    std::mem::take(&mut self.paused).into_iter().collect();
+                tracing::info!(partitions = paused.len(), "resuming the consumer");
+                self.intake.resume(&paused);
+            }
+            return true;
+        }
+        let since = *self.held_since.get_or_insert_with(TokioInstant::now);
+        if self.paused.is_empty() && since.elapsed() >= self.hold_grace() {
+            let tps: Vec<TopicPartition> = self.assignment.iter().cloned().collect();
+            tracing::info!(
+                partitions = tps.len(),
+                "batches in flight at the bound: pausing the consumer and polling on"
+            );
+            self.intake.pause(&tps);
+            self.paused.extend(tps);
+        }
+        !self.paused.is_empty()
+    }
+
+    /// When a hold that has not paused yet reaches its grace: the loop
+    /// wakes then to pause, rather than at its next idle tick.
+    fn pause_due(&self) -> Option<TokioInstant> {
+        let since = self.held_since.filter(|_| self.paused.is_empty())?;
+        Some(since + self.hold_grace())
+    }
+
+    fn hold_grace(&self) -> Duration {
+        HOLD_GRACE.min(self.settings.kafka.max_poll_interval / 4)
+    }
+
+    /// Counts and logs a consumer error; a fatal one ends the loop after
+    /// the batches in hand. The broker being away shows up here, and
+    /// librdkafka reconnects by itself. An offset reset means records were
+    /// skipped or will be read again: an operator must know, so it is
+    /// logged at error.
+    fn consumer_error(&mut self, e: &KafkaError) {
+        let kind = kafka::consumer_error_kind(e);
+        self.metrics
+            .consumer_errors
+            .with_label_values(&[kind])
+            .inc();
+        let admitted = self.consumer_error_log.admit(Instant::now());
+        match (kind, admitted) {
+            ("fatal", _) => {
+                tracing::error!(error = %e, "fatal Kafka consumer error: stopping");
+                self.fatal = Some(e.to_string());
+            }
+            ("offset_reset", _) => {
+                tracing::error!(error = %e, "Kafka consumer reset an offset (out of range)");
+            }
+            ("skipped_records", _) => self.records_skipped(e),
+            (_, Some(suppressed)) => {
+                tracing::warn!(error = %e, kind, suppressed, "Kafka consumer error");
+            }
+            (_, None) => {}
+        }
+    }
+
+    /// The client skipped records it could not read, and does not say of
+    /// which partition: nothing consumed from now on may be committed, or a
+    /// commit could pass records neither stored nor dead-lettered. Writing
+    /// goes on (a replay is harmless); readiness says why, and an operator
+    /// decides (docs/operations.md, TradebucketRecordsSkipped).
+    fn records_skipped(&mut self, e: &KafkaError) {
+        tracing::error!(
+            error = %e,
+            "the Kafka client skipped records it could not read: offsets are no longer committed past them"
+        );
+        self.tracker.freeze();
+        self.health.records_skipped.store(true, Ordering::Relaxed);
+    }
+
+    /// Follows the assignment. After a revocation, the stage forgets its
+    /// cached buckets before its next batch: another instance may now
+    /// write our former customers.
+    ///
+    /// Records of revoked partitions, in the open batch, queued or being
+    /// written, are *kept* and written. A record librdkafka has delivered
+    /// may not be delivered again: when a partition is revoked and handed
+    /// straight back, it resumes after the last delivered record, not at
+    /// the committed offset, so dropping them would lose those trades (a
+    /// test caught exactly that). Writing them is safe whoever owns the
+    /// partition now, because every write is guarded; only their commit is
+    /// left to the owner (see `commit`), and the tracker keeps them in
+    /// flight so that, handed back, the partition commits nothing past
+    /// them before they are handled.
+    fn apply_group_events(&mut self) {
+        for event in self.intake.group_events() {
+            match event {
+                GroupEvent::Assigned(tps) => {
+                    if !self.paused.is_empty() {
+                        // Holding: new partitions wait too.
+                        self.intake.pause(&tps);
+                        self.paused.extend(tps.iter().cloned());
+                    }
+                    self.assignment.extend(tps);
+                }
+                GroupEvent::Revoked(tps) => {
+                    for tp in &tps {
+                        self.assignment.remove(tp);
+                        self.tracker.revoked(tp);
+                    }
+                    self.forget = true;
+                }
+            }
+        }
+    }
+
+    /// Commits the offsets that advanced, for the partitions we own.
+    /// `Sync` at shutdown.
+    fn commit(&mut self, mode: CommitMode) {
+        // Rebalance callbacks may have run since the last look.
+        self.apply_group_events();
+        // Progress on partitions given away belongs to their new owner,
+        // which re-reads from the last commit; committing it here could
+        // race that owner's commits.
+        let assignment = &self.assignment;
+        let commits = self.tracker.take_commits(|tp| assignment.contains(tp));
+        self.intake.commit(&commits, mode);
+    }
+
+    /// Metrics and the debug line of a handled batch.
+    fn observe(&self, done: &Done) {
+        let (batch, counts, stats) = (&done.records, &done.counts, &done.stats);
+        let m = &self.metrics;
+        let now = now_ms() as i64;
+        for ts in batch.iter().filter_map(|r| r.timestamp_ms) {
+            m.end_to_end_delay
+                .observe(((now - ts).max(0) as f64) / 1000.0);
+        }
+        m.events_written.inc_by(counts.written);
+        let skipped = &m.events_skipped;
+        skipped
+            .with_label_values(&["already_applied"])
+            .inc_by(counts.applied);
+        skipped
+            .with_label_values(&["duplicate"])
+            .inc_by(counts.duplicates);
+        m.batch_events.observe(batch.len() as f64);
+        m.batch_customers.observe(stats.customers as f64);
+        m.buckets_created.inc_by(stats.buckets_created as u64);
+        m.bucket_updates.inc_by(stats.fills as u64);
+        m.bucket_conflicts.inc_by(stats.conflicts as u64);
+        m.in_flight_events.set(self.tracker.in_flight() as i64);
+        tracing::debug!(
+            events = batch.len(),
+            written = counts.written,
+            already_applied = counts.applied,
+            duplicates = counts.duplicates,
+            dead_lettered = counts.dead_lettered,
+            customers = stats.customers,
+            rounds = stats.rounds,
+            heads_loaded = stats.heads_loaded,
+            elapsed_ms = done.started.elapsed().as_millis() as u64,
+            "batch committed"
+        );
+    }
+}
+
+/// The write stage's result, or never while it is idle.
+async fn running<F: Future + Unpin>(writing: &mut Option<F>) -> F::Output {
+    match writing {
+        Some(w) => w.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// `sleep_until(at)`, or never.
+async fn sleep_until(at: Option<TokioInstant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
