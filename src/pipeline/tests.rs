@@ -648,20 +648,22 @@ async fn liveness_ticks_while_a_batch_is_written() {
     h.stop().await;
 }
 
-/// Two batches in flight: the second is filled while the first is written,
-/// and each commit names only what its own batch completed, in order.
+/// Two batches in flight: the second is filled, closed (full) and decoded
+/// while the first is written, and each commit names only what its own
+/// batch completed, in order: a closed batch is not a handled one.
 #[tokio::test(start_paused = true)]
 async fn commits_follow_the_batches_in_order_with_two_in_flight() {
     let h = Harness::start(
         Options {
             write_delay: ms(100),
+            max_events: Some(3),
             ..Options::default()
         },
         &[0],
     );
     h.send(0, 0..3, true);
     h.until(ms(10)).await;
-    h.send(0, 3..5, true); // consumed while the first batch is written
+    h.send(0, 3..6, true); // consumed and closed while the first is written
     h.until(ms(150)).await;
     assert_eq!(
         h.commits(),
@@ -671,9 +673,9 @@ async fn commits_follow_the_batches_in_order_with_two_in_flight() {
     h.until(ms(300)).await;
     assert_eq!(
         h.writes(),
-        vec![(ms(0), vec![0, 1, 2]), (ms(100), vec![3, 4])]
+        vec![(ms(0), vec![0, 1, 2]), (ms(100), vec![3, 4, 5])]
     );
-    assert_eq!(h.commits()[1], (ms(200), vec![(tp(0), 5)], Mode::Async));
+    assert_eq!(h.commits()[1], (ms(200), vec![(tp(0), 6)], Mode::Async));
     h.stop().await;
 }
 
