@@ -236,15 +236,8 @@ impl ConsumerCtx {
             .values()
             .map(|b| (b.name.as_str(), b.source.as_str(), b.state.as_str()));
         let failure = link_failure(brokers, stats.cgrp.as_ref().map(|g| g.state.as_str()));
-        let Ok(mut shown) = self.health.kafka_unreachable.lock() else {
-            return;
-        };
-        match (&*shown, &failure) {
-            (None, Some(why)) => tracing::warn!(reason = %why, "Kafka not answering: not ready"),
-            (Some(_), None) => tracing::info!("Kafka answering again"),
-            _ => {}
-        }
-        *shown = failure;
+        let said = ("Kafka not answering: not ready", "Kafka answering again");
+        show(&self.health.kafka_unreachable, failure, said);
     }
 
     /// Sets `Health::group_unsettled` from one statistics report, and logs
@@ -257,15 +250,11 @@ impl ConsumerCtx {
             return;
         };
         let failure = settling.observe(&cgrp.join_state, Instant::now());
-        let Ok(mut shown) = self.health.group_unsettled.lock() else {
-            return;
-        };
-        match (&*shown, &failure) {
-            (None, Some(why)) => tracing::warn!(reason = %why, "consumer group stuck: not ready"),
-            (Some(_), None) => tracing::info!("consumer group settled again"),
-            _ => {}
-        }
-        *shown = failure;
+        let said = (
+            "consumer group stuck: not ready",
+            "consumer group settled again",
+        );
+        show(&self.health.group_unsettled, failure, said);
     }
 
     fn observe(&self, tp: &TopicPartition, p: &rdkafka::statistics::Partition) {
@@ -304,6 +293,20 @@ impl ConsumerCtx {
             .consumer_lag
             .remove_label_values(&[topic, &partition.to_string()]);
     }
+}
+
+/// Puts a readiness reason where `/readyz` reads it, logging when it
+/// appears (`said.0`, with the reason) and when it goes (`said.1`).
+fn show(slot: &Mutex<Option<String>>, failure: Option<String>, said: (&str, &str)) {
+    let Ok(mut shown) = slot.lock() else {
+        return;
+    };
+    match (&*shown, &failure) {
+        (None, Some(why)) => tracing::warn!(reason = %why, "{}", said.0),
+        (Some(_), None) => tracing::info!("{}", said.1),
+        _ => {}
+    }
+    *shown = failure;
 }
 
 fn partitions(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
