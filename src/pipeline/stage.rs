@@ -75,12 +75,6 @@ pub(super) struct Stage<B, D> {
     health: Arc<Health>,
     /// Dead letters are logged at warn at most once per second.
     dead_letter_log: Throttle,
-    /// A revocation happened since the last batch: cached buckets are
-    /// forgotten before this one (another instance may now write our
-    /// former customers). A batch being written when it happened goes on
-    /// with its cache: every write is guarded, so a stale entry costs a
-    /// conflict, never a wrong write.
-    pub forget: bool,
 }
 
 impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
@@ -98,14 +92,18 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
             metrics,
             health,
             dead_letter_log: Throttle::new(HOT_LOG_EVERY),
-            forget: false,
         }
     }
 
-    /// Handles `batch` and hands the stage back with the result.
-    pub async fn handle(mut self, batch: Closed) -> (Self, Done) {
+    /// Handles `batch` and hands the stage back with the result. `forget`:
+    /// a revocation happened since the last batch, so cached buckets are
+    /// forgotten first (another instance may now write our former
+    /// customers). A batch being written when it happened goes on with its
+    /// cache: every write is guarded, so a stale entry costs a conflict,
+    /// never a wrong write.
+    pub async fn handle(mut self, batch: Closed, forget: bool) -> (Self, Done) {
         let started = Instant::now();
-        if std::mem::take(&mut self.forget) {
+        if forget {
             self.buckets.forget_all();
         }
         let Closed { records, decoded } = batch;

@@ -89,7 +89,7 @@ pub(crate) struct Worker<I, B, D> {
     metrics: Metrics,
     health: Arc<Health>,
     /// A revocation since the last dispatch: the stage forgets its cached
-    /// buckets before its next batch (see `Stage::forget`).
+    /// buckets before its next batch (see `Stage::handle`).
     forget: bool,
     /// A fatal consumer error: the loop ends after the batches in hand.
     fatal: Option<String>,
@@ -160,8 +160,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             } else {
                 self.fill();
             }
-            if let Some((stage, batch)) = self.dispatch() {
-                writing = Some(Box::pin(stage.handle(batch)));
+            if let Some((stage, batch, forget)) = self.dispatch() {
+                writing = Some(Box::pin(stage.handle(batch, forget)));
             }
             if stopping && self.stage.is_some() && self.queued.is_empty() {
                 break;
@@ -293,13 +293,13 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// holds the consumer as for any other backpressure (`hold_or_release`:
     /// partitions paused and the consumer polled after the grace), so a low
     /// limit never costs a rebalance.
-    fn dispatch(&mut self) -> Option<(Stage<B, D>, Closed)> {
+    fn dispatch(&mut self) -> Option<(Stage<B, D>, Closed, bool)> {
         if self.stage.is_none() || !self.rate_limit_passed()? {
             return None;
         }
-        let mut stage = self.stage.take()?;
-        stage.forget |= std::mem::take(&mut self.forget);
-        Some((stage, self.queued.pop_front()?))
+        let stage = self.stage.take()?;
+        let batch = self.queued.pop_front()?;
+        Some((stage, batch, std::mem::take(&mut self.forget)))
     }
 
     /// Whether the oldest queued batch may be written now; `None` if
