@@ -6,7 +6,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use mongodb::bson::{doc, Bson, Document, RawDocumentBuf};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -172,12 +172,16 @@ pub async fn audit(
     let filter = customer.map(|c| Prefix::of(c).range()).unwrap_or_default();
     // Whole documents, as stored: their length is the BSON size `bytes`
     // must bound.
-    let mut cursor = store
-        .collection()
-        .clone_with_type::<RawDocumentBuf>()
-        .find(filter)
-        .sort(doc! {"_id": 1})
-        .await?;
+    let raw = store.collection().clone_with_type::<RawDocumentBuf>();
+    let find = raw.find(filter).sort(doc! {"_id": 1});
+    let limit = settings.timeouts.mongodb_operation;
+    let mut cursor =
+        tokio::time::timeout(limit, find)
+            .await
+            .map_err(|_| StoreError::TimedOut {
+                operation: "find",
+                limit,
+            })??;
     let mut audit = Audit {
         capacity: settings.buckets.capacity,
         sharded: settings.mongodb.sharded,
@@ -185,7 +189,7 @@ pub async fn audit(
         keys: HashSet::new(),
         current: None,
     };
-    while let Some(raw) = cursor.try_next().await? {
+    while let Some(raw) = store.next_of(&mut cursor).await? {
         match raw.to_document() {
             Ok(d) => audit.bucket(&d, raw.as_bytes().len() as u64),
             Err(e) => audit.violation(format!("a bucket that does not parse: {e}")),

@@ -110,9 +110,10 @@ fn field_err(field: &str, rule: &str) -> Reject {
     Reject::new(RejectKind::InvalidField, format!("{field}: {rule}"))
 }
 
-/// A customer's identity. Integers and strings are kept as they came (the
-/// stored `customerId` has the input's type), but both share one `_id`
-/// namespace: `123` and `"123"` are the same customer's pages.
+/// A customer's identity. `123` and `"123"` are one customer (they share
+/// one `_id` prefix), so a decoded id is always in its
+/// [canonical](CustomerId::canonical) form: an integer written as text is
+/// the integer. Other text ids stay text.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CustomerId {
     Int(i64),
@@ -147,10 +148,10 @@ impl CustomerId {
     }
 
     /// The one value per `_id` prefix: a text id that is an integer written
-    /// plainly (`"123"`) becomes the integer, as the CLI reads it. Sharded
-    /// mode stores and queries `customerId` in this form, because the shard
-    /// key and the customer-scoped unique indexes tell `123` from `"123"`
-    /// while their buckets share one `_id` prefix.
+    /// plainly (`"123"`) becomes the integer, as the CLI reads it. Every
+    /// decoded id is in this form: the writer groups a batch by it, and in
+    /// sharded mode the shard key and the customer-scoped unique indexes
+    /// tell `123` from `"123"` while their buckets share one `_id` prefix.
     pub fn canonical(&self) -> CustomerId {
         match self {
             CustomerId::Str(s) => match integer_text(s) {
@@ -542,7 +543,11 @@ fn parse_customer(raw: &str) -> Result<CustomerId, Reject> {
         }
     };
     validate_customer(&id)?;
-    Ok(id)
+    // One customer, one identity, in every mode: `7` and `"7"` share one
+    // `_id` prefix, so they must be one key to the writer too, or one batch
+    // plans two "customers" against one bucket (docs/design.md, "One
+    // spelling of a customer").
+    Ok(id.canonical())
 }
 
 fn parse_side(raw: &str) -> Result<String, Reject> {

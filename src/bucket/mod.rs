@@ -1,6 +1,8 @@
-//! Bucket documents: their `_id`, planning (pure), the MongoDB store, and
-//! the writer that runs plans and resolves conflicts.
+//! Bucket documents: their `_id`, planning (pure), the MongoDB store, the
+//! writer that runs plans and resolves conflicts, and the seam between the
+//! two (`db`).
 
+pub mod db;
 pub mod id;
 pub mod plan;
 pub mod size;

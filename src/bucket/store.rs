@@ -39,6 +39,7 @@ use mongodb::options::{
 };
 use mongodb::{Client, Collection, Database, IndexModel};
 
+use super::db::{LoadedHead, UnreadableBucket};
 use super::id::Prefix;
 use super::plan::{BucketHead, Fill, NewBucket};
 use secrecy::ExposeSecret;
@@ -80,9 +81,6 @@ const REFUSALS_OF_DATA: [i32; 19] = [
 /// Not a server code: the driver refused the documents before sending them
 /// (one too large to encode, say): a refusal of their data too.
 pub const CLIENT_REFUSED: i32 = -2;
-
-/// Statements of a `has_keys` query per request.
-const HELD_QUERY_CHUNK: usize = 1000;
 
 /// The server's answer for a collection or database that does not exist.
 const NAMESPACE_NOT_FOUND: i32 = 26;
@@ -374,16 +372,6 @@ impl BucketStore {
         self.sharded
     }
 
-    /// The customer as the buckets store it: in sharded mode its canonical
-    /// form (one shard key value per `_id` prefix), otherwise as it came.
-    pub fn stored_customer(&self, customer: &CustomerId) -> CustomerId {
-        if self.sharded {
-            customer.canonical()
-        } else {
-            customer.clone()
-        }
-    }
-
     /// The shard key value every filter of `customer`'s buckets carries in
     /// sharded mode; `None` otherwise.
     pub fn shard_key(&self, customer: &CustomerId) -> Option<CustomerId> {
@@ -461,13 +449,14 @@ impl BucketStore {
         if state != ShardState::NotSharded {
             return Ok(state);
         }
-        self.client
-            .database("admin")
-            .run_command(doc! {
-                "shardCollection": self.namespace(),
-                "key": {SHARD_KEY_FIELD: 1},
-            })
-            .await?;
+        // Bounded too: `init` run again after a timeout finds the
+        // collection sharded, or shards it.
+        let admin = self.client.database("admin");
+        let shard = admin.run_command(doc! {
+            "shardCollection": self.namespace(),
+            "key": {SHARD_KEY_FIELD: 1},
+        });
+        bounded("shardCollection", self.operation_limit, shard).await?;
         Ok(ShardState::Sharded)
     }
 
@@ -493,22 +482,31 @@ impl BucketStore {
     /// collection sharded on another key, and in unsharded mode any
     /// sharded one: its global unique indexes cannot exist there.
     async fn shard_state(&self) -> Result<ShardState, InitError> {
-        let hello = self.db.run_command(doc! {"hello": 1}).await?;
+        let limit = self.operation_limit;
+        let hello = bounded("hello", limit, self.db.run_command(doc! {"hello": 1})).await?;
         if hello.get_str("msg") != Ok("isdbgrid") {
             return Ok(ShardState::NoMongos);
         }
-        let entry = match self
+        let collections = self
             .client
             .database("config")
-            .collection::<Document>("collections")
+            .collection::<Document>("collections");
+        let find = collections
             .find_one(doc! {"_id": self.namespace()})
-            .await
-        {
-            Ok(entry) => entry,
-            Err(e) if command_code(&e) == Some(UNAUTHORIZED) => {
+            .max_time(limit);
+        let entry = match tokio::time::timeout(limit, find).await {
+            Err(_) => {
+                return Err(StoreError::TimedOut {
+                    operation: "find",
+                    limit,
+                }
+                .into())
+            }
+            Ok(Ok(entry)) => entry,
+            Ok(Err(e)) if command_code(&e) == Some(UNAUTHORIZED) => {
                 return Ok(ShardState::Unknown(e.to_string()))
             }
-            Err(e) => return Err(e.into()),
+            Ok(Err(e)) => return Err(e.into()),
         };
         let key = entry
             .filter(|c| {
@@ -535,12 +533,12 @@ impl BucketStore {
     /// The `_id` of a bucket whose `customerId` is text that sharded mode
     /// would store as a number, if there is one.
     async fn non_canonical_customer(&self) -> Result<Option<String>, StoreError> {
-        let mut cursor = self
+        let find = self
             .coll
             .find(doc! {SHARD_KEY_FIELD: {"$type": "string", "$regex": "^(0|[1-9][0-9]*)$"}})
-            .projection(doc! {SHARD_KEY_FIELD: 1})
-            .await?;
-        while let Some(d) = cursor.try_next().await? {
+            .projection(doc! {SHARD_KEY_FIELD: 1});
+        let mut cursor = bounded("find", self.operation_limit, find).await?;
+        while let Some(d) = self.next_of(&mut cursor).await? {
             let text = d.get_str(SHARD_KEY_FIELD).unwrap_or_default();
             // Twenty digits and more stay text: no Int64 holds them.
             if CustomerId::Str(text.to_string()).canonical() != CustomerId::Str(text.to_string()) {
@@ -551,8 +549,9 @@ impl BucketStore {
     }
 
     /// The newest bucket of `customer` (highest `_id` in its prefix range),
-    /// with just the fields planning needs.
-    pub async fn load_head(&self, customer: &CustomerId) -> Result<Option<BucketHead>, StoreError> {
+    /// with just the fields planning needs; a bucket whose fields we cannot
+    /// plan against is reported, not an error (see [`UnreadableBucket`]).
+    pub async fn load_head(&self, customer: &CustomerId) -> Result<LoadedHead, StoreError> {
         let options = FindOneOptions::builder()
             .sort(doc! {"_id": -1})
             .projection(doc! {
@@ -566,14 +565,14 @@ impl BucketStore {
             .find_one(self.customer_filter(customer))
             .with_options(options);
         let doc = bounded("find", self.operation_limit, find).await?;
-        doc.map(|d| head_from_document(&d)).transpose()
+        Ok(doc.map(|d| head_from_document(&d)).transpose())
     }
 
     /// Loads several customers' heads, `load_concurrency` at a time.
     pub async fn load_heads(
         &self,
         customers: Vec<CustomerId>,
-    ) -> Result<Vec<(CustomerId, Option<BucketHead>)>, StoreError> {
+    ) -> Result<Vec<(CustomerId, LoadedHead)>, StoreError> {
         futures::stream::iter(customers)
             .map(|c| async move {
                 let head = self.load_head(&c).await?;
@@ -694,7 +693,7 @@ impl BucketStore {
                 "writeConcern": self.write_concern_doc.clone(),
             });
             let reply = bounded("update", self.operation_limit, command).await?;
-            let part = parse_write_reply(&reply)?;
+            let part = parse_write_reply(&reply, len)?;
             outcome.matched += part.0;
             outcome.errors.extend(part.1.into_iter().map(|mut e| {
                 e.index += base;
@@ -735,6 +734,13 @@ impl BucketStore {
             Err(e) => match *e.kind {
                 ErrorKind::InsertMany(ref failure) if failure.write_concern_error.is_none() => {
                     match failure.write_errors.as_deref() {
+                        Some(errors) if errors.iter().any(|w| w.index >= docs_len) => {
+                            let bad = errors.iter().map(|w| w.index).max().unwrap_or(0);
+                            Err(malformed(
+                                format!("a write error's index is {bad}"),
+                                docs_len,
+                            ))
+                        }
                         Some(errors) if !errors.is_empty() => Ok(InsertOutcome {
                             errors: errors
                                 .iter()
@@ -772,47 +778,6 @@ impl BucketStore {
         }
     }
 
-    /// Which of `appends` (customer, bucket `_id`, a trade key our fill
-    /// appended to it) hold that key: after a fill command matched fewer
-    /// statements than it sent, which of them went in. A key is unique
-    /// across a customer's buckets and a fill is atomic, so the key being
-    /// there means the fill's trades are there (ours, or an earlier
-    /// delivery's). A decisive read: the primary, at "majority".
-    pub async fn has_keys(
-        &self,
-        appends: &[(CustomerId, String, String)],
-    ) -> Result<HashSet<String>, StoreError> {
-        let mut held = HashSet::new();
-        for chunk in appends.chunks(HELD_QUERY_CHUNK) {
-            let any: Vec<Document> = chunk
-                .iter()
-                .map(|(customer, id, key)| {
-                    let mut clause = doc! {"_id": id.as_str(), "history.key": key.as_str()};
-                    if let Some(shard) = self.shard_key(customer) {
-                        clause.insert(SHARD_KEY_FIELD, shard.to_bson());
-                    }
-                    clause
-                })
-                .collect();
-            let read = async {
-                let mut cursor = self
-                    .reads
-                    .find(doc! {"$or": any})
-                    .projection(doc! {"_id": 1})
-                    .max_time(self.operation_limit)
-                    .await?;
-                while let Some(d) = cursor.try_next().await? {
-                    if let Ok(id) = d.get_str("_id") {
-                        held.insert(id.to_string());
-                    }
-                }
-                Ok::<_, mongodb::error::Error>(())
-            };
-            bounded("find", self.operation_limit, read).await?;
-        }
-        Ok(held)
-    }
-
     /// Page `n` (1-based) of a customer's history: the manual's query,
     /// `find({_id: /^<id>_/}).sort({_id: 1}).skip(n - 1).limit(1)`.
     pub async fn page(
@@ -824,14 +789,28 @@ impl BucketStore {
         if let Some(key) = self.shard_key(customer) {
             filter.insert(SHARD_KEY_FIELD, key.to_bson());
         }
-        let mut cursor = self
-            .coll
-            .find(filter)
-            .sort(doc! {"_id": 1})
-            .skip(n.saturating_sub(1))
-            .limit(1)
-            .await?;
-        Ok(cursor.try_next().await?)
+        let read = async {
+            let mut cursor = self
+                .coll
+                .find(filter)
+                .sort(doc! {"_id": 1})
+                .skip(n.saturating_sub(1))
+                .limit(1)
+                .max_time(self.operation_limit)
+                .await?;
+            cursor.try_next().await
+        };
+        bounded("find", self.operation_limit, read).await
+    }
+
+    /// The next document of a cursor that may run long (the audit reads
+    /// every bucket): each step, a `getMore` round trip, is bounded by
+    /// `timeouts.mongodb_operation`, not the whole read.
+    pub async fn next_of<T>(&self, cursor: &mut mongodb::Cursor<T>) -> Result<Option<T>, StoreError>
+    where
+        T: serde::de::DeserializeOwned + Send + Sync + Unpin,
+    {
+        bounded("find", self.operation_limit, cursor.try_next()).await
     }
 }
 
@@ -985,9 +964,17 @@ fn write_concern_doc(wc: &WriteConcern) -> RawDocumentBuf {
     d
 }
 
-/// `(matched, statement errors)` from an `update` reply. A write-concern
-/// error makes the whole outcome unknown: an error, so the batch is retried.
-fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), StoreError> {
+/// `(matched, statement errors)` from an `update` reply to `sent`
+/// statements. A write-concern error makes the whole outcome unknown: an
+/// error, so the batch is retried. So does a reply that names a statement
+/// we did not send, or counts more matches than statements: a server (or a
+/// proxy) saying that cannot be trusted about the others either, and
+/// indexing with its numbers would crash the worker on the same batch
+/// after every restart.
+fn parse_write_reply(
+    reply: &Document,
+    sent: usize,
+) -> Result<(u64, Vec<StatementError>), StoreError> {
     if let Ok(wce) = reply.get_document("writeConcernError") {
         let code = wce.get_i32("code").unwrap_or(-1);
         let message = wce.get_str("errmsg").unwrap_or_default();
@@ -996,28 +983,19 @@ fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), Sto
             message: message.to_string(),
         });
     }
-    let n = match reply.get("n") {
-        Some(Bson::Int32(n)) => *n as u64,
-        Some(Bson::Int64(n)) => *n as u64,
-        Some(Bson::Double(n)) => *n as u64,
-        _ => {
-            return Err(StoreError::Failed(
-                "update reply without a numeric n".to_string(),
-            ))
-        }
-    };
+    let n = stored_number(reply, "n")
+        .filter(|&n| n <= sent as u64)
+        .ok_or_else(|| malformed(format!("n is {}", describe(reply.get("n"))), sent))?;
     let mut errors = Vec::new();
     if let Ok(list) = reply.get_array("writeErrors") {
         for e in list.iter().filter_map(Bson::as_document) {
-            let index = match e.get("index") {
-                Some(Bson::Int32(i)) => *i as usize,
-                Some(Bson::Int64(i)) => *i as usize,
-                _ => {
-                    return Err(StoreError::Failed(
-                        "update reply with a write error without index".to_string(),
-                    ))
-                }
-            };
+            let index = stored_number(e, "index")
+                .and_then(|i| usize::try_from(i).ok())
+                .filter(|&i| i < sent)
+                .ok_or_else(|| {
+                    let index = describe(e.get("index"));
+                    malformed(format!("a write error's index is {index}"), sent)
+                })?;
             errors.push(StatementError {
                 index,
                 code: e.get_i32("code").unwrap_or(-1),
@@ -1026,6 +1004,14 @@ fn parse_write_reply(reply: &Document) -> Result<(u64, Vec<StatementError>), Sto
         }
     }
     Ok((n, errors))
+}
+
+/// A write reply that does not fit the request: retried like a failed
+/// request (its outcome is unknown), and said plainly in the log.
+fn malformed(what: String, sent: usize) -> StoreError {
+    StoreError::Failed(format!(
+        "malformed write reply to {sent} statements: {what}"
+    ))
 }
 
 fn chunk_by_size(statements: Vec<RawDocumentBuf>) -> Vec<Vec<RawDocumentBuf>> {
@@ -1047,24 +1033,29 @@ fn chunk_by_size(statements: Vec<RawDocumentBuf>) -> Vec<Vec<RawDocumentBuf>> {
     chunks
 }
 
-/// Builds our view of a bucket from its stored form.
-pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
+/// Builds our view of a bucket from its stored form; or says why this
+/// version cannot plan against it. `count` must be a whole number the
+/// guard can match exactly: a `2.5` read as 2 would make every guarded
+/// fill miss, for ever.
+pub fn head_from_document(d: &Document) -> Result<BucketHead, UnreadableBucket> {
     let id = d
         .get_str("_id")
-        // Not the document: messages reach the logs on every retry, and a
+        // Not the document: messages reach the logs and dead letters, and a
         // bucket is up to 16 MiB of trades.
-        .map_err(|_| StoreError::Failed("a bucket with a non-string _id".to_string()))?
+        .map_err(|_| UnreadableBucket {
+            id: format!("{:?}", d.get("_id").map(Bson::element_type)),
+            why: "its _id is not a string".to_string(),
+        })?
         .to_string();
-    let count = match d.get("count") {
-        Some(Bson::Int32(n)) => *n as u32,
-        Some(Bson::Int64(n)) => *n as u32,
-        Some(Bson::Double(n)) => *n as u32,
-        _ => {
-            return Err(StoreError::Failed(format!(
-                "bucket {id} has no numeric count"
-            )))
-        }
-    };
+    let count = stored_number(d, "count")
+        .and_then(|c| u32::try_from(c).ok())
+        .ok_or_else(|| UnreadableBucket {
+            id: id.clone(),
+            why: format!(
+                "its count is {}, not a whole number from 0 to 2^32-1",
+                describe(d.get("count"))
+            ),
+        })?;
     // Without them the bucket is a legacy one (see `BucketHead::cap` and
     // `BucketHead::size`); a value that is not a count counts as absent.
     let cap = stored_number(d, "cap").and_then(|c| u32::try_from(c).ok());
@@ -1099,6 +1090,18 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, StoreError> {
         keys,
         wm,
     })
+}
+
+/// A stored value's type and, if short, the value: enough to find the
+/// bucket's fault without copying a whole field into a dead letter.
+fn describe(v: Option<&Bson>) -> String {
+    match v {
+        None => "missing".to_string(),
+        Some(v @ (Bson::Int32(_) | Bson::Int64(_) | Bson::Double(_) | Bson::Decimal128(_))) => {
+            format!("{v}")
+        }
+        Some(v) => format!("of type {:?}", v.element_type()),
+    }
 }
 
 /// A non-negative integer field, as any numeric BSON type.
@@ -1234,13 +1237,69 @@ mod tests {
             {"index": 4, "code": 11000, "errmsg": "E11000 duplicate key"},
             {"index": 7, "code": 121, "errmsg": "Document failed validation"},
         ]};
-        let (n, errs) = parse_write_reply(&reply).unwrap();
+        let (n, errs) = parse_write_reply(&reply, 8).unwrap();
         assert_eq!(n, 3);
         assert_eq!(errs.len(), 2);
         assert!(errs[0].is_duplicate_key());
         assert_eq!((errs[1].index, errs[1].code), (7, 121));
         let wce = doc! {"ok": 1.0, "n": 1, "writeConcernError": {"code": 64}};
-        assert!(parse_write_reply(&wce).is_err());
+        assert!(parse_write_reply(&wce, 8).is_err());
+    }
+
+    /// A reply that names a statement we did not send (or counts more
+    /// matches than statements) is an error to retry, not an index to
+    /// crash on: before, the writer indexed its statements with it.
+    #[test]
+    fn a_reply_naming_statements_never_sent_is_an_error_not_an_index() {
+        let error_at = |index: Bson| {
+            doc! {"ok": 1.0, "n": 0, "writeErrors": [
+                {"index": index, "code": 11000, "errmsg": "E11000"},
+            ]}
+        };
+        for index in [
+            Bson::Int32(3),
+            Bson::Int32(-1),
+            Bson::Int64(1 << 40),
+            Bson::Null,
+        ] {
+            let e = parse_write_reply(&error_at(index.clone()), 3).unwrap_err();
+            assert!(
+                matches!(e, StoreError::Failed(ref m) if m.contains("malformed")),
+                "{index}: {e}"
+            );
+        }
+        assert!(parse_write_reply(&error_at(Bson::Int32(2)), 3).is_ok());
+        let too_many = doc! {"ok": 1.0, "n": 4};
+        assert!(parse_write_reply(&too_many, 3).is_err());
+        let no_n = doc! {"ok": 1.0};
+        assert!(parse_write_reply(&no_n, 3).is_err());
+    }
+
+    /// A `count` the guard could never match is the bucket's fault, told
+    /// apart from a bucket we can plan against; integral doubles are fine.
+    #[test]
+    fn a_count_that_is_not_a_whole_number_makes_the_bucket_unreadable() {
+        let bucket = |count: Bson| doc! {"_id": "7_1700000000", "count": count, "history": []};
+        for bad in [
+            Bson::Double(2.5),
+            Bson::Int32(-1),
+            Bson::String("2".into()),
+            Bson::Null,
+            Bson::Double(f64::NAN),
+            Bson::Int64(1 << 33),
+        ] {
+            let e = head_from_document(&bucket(bad.clone())).unwrap_err();
+            assert_eq!(e.id, "7_1700000000", "{bad}");
+            assert!(e.why.contains("count"), "{bad}: {e}");
+        }
+        for good in [Bson::Double(2.0), Bson::Int32(2), Bson::Int64(2)] {
+            assert_eq!(head_from_document(&bucket(good)).unwrap().count, 2);
+        }
+        let missing = doc! {"_id": "7_1700000000", "history": []};
+        assert!(head_from_document(&missing)
+            .unwrap_err()
+            .why
+            .contains("missing"));
     }
 
     #[test]

@@ -25,6 +25,7 @@ use std::ops::Range;
 use lru::LruCache;
 use mongodb::bson::RawDocumentBuf;
 
+use super::db::{BucketDb, UnreadableBucket};
 use super::id::Prefix;
 use super::plan::{plan_customer, BucketHead, CustomerPlan, Event, Fill, Known, Limits};
 use super::store::{bucket_document, fill_statement, BucketStore, StatementError, StoreError};
@@ -71,8 +72,10 @@ pub struct WriteStats {
     pub below_watermark_unstored: usize,
 }
 
-pub struct BucketWriter {
-    store: BucketStore,
+/// Writes batches through `S`: MongoDB in production ([`BucketStore`]),
+/// an in-memory database in the model test (see [`super::db`]).
+pub struct BucketWriter<S = BucketStore> {
+    store: S,
     /// Trades per bucket this writer opens (`buckets.capacity`); a bucket
     /// is full at its own stored `cap`, whatever this says.
     capacity: u32,
@@ -80,13 +83,8 @@ pub struct BucketWriter {
     metrics: Metrics,
 }
 
-impl BucketWriter {
-    pub fn new(
-        store: BucketStore,
-        capacity: u32,
-        cache_customers: usize,
-        metrics: Metrics,
-    ) -> Self {
+impl<S: BucketDb> BucketWriter<S> {
+    pub fn new(store: S, capacity: u32, cache_customers: usize, metrics: Metrics) -> Self {
         BucketWriter {
             store,
             capacity,
@@ -102,7 +100,7 @@ impl BucketWriter {
             .start_timer()
     }
 
-    pub fn store(&self) -> &BucketStore {
+    pub fn store(&self) -> &S {
         &self.store
     }
 
@@ -180,6 +178,9 @@ impl BucketWriter {
     }
 
     /// Loads the newest bucket of every pending customer not in the cache.
+    /// One we cannot plan against is kept for this call only (see
+    /// [`UnreadableBucket`]): `plan` dead-letters that customer's events,
+    /// and a later batch reads the bucket again, mended or not.
     async fn load_missing(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
         let missing: Vec<CustomerId> = batch
             .pending
@@ -195,7 +196,14 @@ impl BucketWriter {
         let heads = self.store.load_heads(missing).await?;
         timer.observe_duration();
         for (customer, head) in heads {
-            self.cache.put(customer, head);
+            match head {
+                Ok(head) => {
+                    self.cache.put(customer, head);
+                }
+                Err(unreadable) => {
+                    batch.unreadable.insert(customer, unreadable);
+                }
+            }
         }
         Ok(())
     }
@@ -283,6 +291,7 @@ impl BucketWriter {
     /// settles at once what needs no write (already applied, duplicates,
     /// unplaceable). The round holds the plans that do write.
     fn plan(&mut self, batch: &mut Batch<'_>) -> Round {
+        batch.reject_unreadable();
         let nothing_known = Known::default();
         let events = batch.events;
         let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(batch.pending.len());
@@ -306,10 +315,8 @@ impl BucketWriter {
                 evs.truncate(limit);
             }
             let learnt = batch.known.get(customer).unwrap_or(&nothing_known);
-            // Sharded, a first bucket stores the customer's canonical form.
-            let stored_as = self.store.stored_customer(customer);
             let limits = Limits::with_capacity(self.capacity);
-            let plan = plan_customer(&stored_as, head, &evs, learnt, limits);
+            let plan = plan_customer(customer, head, &evs, learnt, limits);
             record(
                 batch.outcomes,
                 &plan.already_applied,
@@ -372,11 +379,17 @@ impl BucketWriter {
         Ok(())
     }
 
-    /// Some guard missed and the `update` reply gives only a total: ask
-    /// which buckets hold the last key each fill appended. Those fills
-    /// went in; the others are stale, and only their customers are
-    /// reloaded (the cache of the held ones is dropped too: another writer
-    /// may have appended more than our plan did).
+    /// Some guard missed and the `update` reply gives only a total: which
+    /// fills went in? A fill counts as stored only if *every* trade it
+    /// carried is now in one of its customer's buckets, whoever put it
+    /// there: then each of them is stored exactly once (the key index
+    /// allows one copy), and nothing more can be proven or needed. Any
+    /// less, and the fill is stale: its customer is reloaded and planned
+    /// again, which settles what is stored and writes the rest. Asking for
+    /// one key per fill is not enough: another writer may have stored that
+    /// one trade (an upstream duplicate) while the guard turned ours away.
+    /// The held ones are not cached either: another writer may have
+    /// appended more than our plan did.
     async fn find_missed(
         &mut self,
         batch: &Batch<'_>,
@@ -384,24 +397,28 @@ impl BucketWriter {
         fillers: &[usize],
     ) -> Result<(), StoreError> {
         let asked: Vec<usize> = fillers.iter().copied().filter(|&p| round.held[p]).collect();
-        let appends: Vec<(CustomerId, String, String)> = asked
+        let wanted: Vec<(CustomerId, String)> = asked
             .iter()
-            .map(|&p| {
-                let fill = round.fill(p);
-                let last = *fill.events.last().expect("a fill appends something");
-                let customer = round.plans[p].0.clone();
-                (
-                    customer,
-                    fill.bucket_id.clone(),
-                    batch.events[last].0.key.clone(),
-                )
+            .flat_map(|&p| {
+                let customer = &round.plans[p].0;
+                let keys = round.fill(p).events.iter().map(|&i| &batch.events[i].0.key);
+                keys.map(move |k| (customer.clone(), k.clone()))
             })
             .collect();
         let timer = self.timer("find_keys");
-        let held = self.store.has_keys(&appends).await?;
+        let found = self.store.find_keys(&wanted).await?;
         timer.observe_duration();
-        for (&p, (_, bucket_id, _)) in asked.iter().zip(&appends) {
-            if held.contains(bucket_id) {
+        let mut stored_in: HashMap<&str, Vec<&str>> = HashMap::new();
+        for (key, bucket_id) in &found {
+            stored_in.entry(key).or_default().push(bucket_id);
+        }
+        for p in asked {
+            let prefix = Prefix::of(&round.plans[p].0);
+            let all_stored = round.fill(p).events.iter().all(|&i| {
+                let buckets = stored_in.get(batch.events[i].0.key.as_str());
+                buckets.is_some_and(|ids| ids.iter().any(|id| prefix.owns(id)))
+            });
+            if all_stored {
                 round.uncached.push(round.plans[p].0.clone());
             } else {
                 round.mark_stale(p);
@@ -582,6 +599,8 @@ struct Batch<'a> {
     isolate: HashMap<CustomerId, usize>,
     /// Events already looked up by `verify_below_watermark`.
     verified: HashSet<usize>,
+    /// Customers whose newest bucket we cannot plan against, this call.
+    unreadable: HashMap<CustomerId, UnreadableBucket>,
     stats: WriteStats,
 }
 
@@ -606,7 +625,25 @@ impl<'a> Batch<'a> {
             known: HashMap::new(),
             isolate: HashMap::new(),
             verified: HashSet::new(),
+            unreadable: HashMap::new(),
             stats,
+        }
+    }
+
+    /// Dead-letters every pending event of a customer whose newest bucket
+    /// cannot be read, naming the bucket and its fault: one bad bucket
+    /// must not stop every partition, and the events are safe in the
+    /// dead-letter topic until it is mended and they are replayed.
+    fn reject_unreadable(&mut self) {
+        for (customer, bucket) in std::mem::take(&mut self.unreadable) {
+            let Some(idx) = self.pending.remove(&customer) else {
+                continue;
+            };
+            let reject = Reject::new(
+                RejectKind::Rejected,
+                format!("the customer's newest {bucket}"),
+            );
+            record(self.outcomes, &idx, Outcome::DeadLetter(reject));
         }
     }
 

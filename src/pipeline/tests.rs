@@ -61,6 +61,9 @@ enum Mode {
 
 struct FakeIntake {
     records: UnboundedReceiver<Result<Record, KafkaError>>,
+    /// Records of a partition assigned but not yet paused: delivered even
+    /// while the consumer is paused.
+    strays: UnboundedReceiver<Result<Record, KafkaError>>,
     events: Arc<Mutex<Vec<GroupEvent>>>,
     seen: Shared,
     start: Instant,
@@ -76,8 +79,12 @@ impl Intake for FakeIntake {
         }
         if self.paused {
             // librdkafka delivers nothing of a paused partition (it drops
-            // what it had queued and fetches it again on resume).
-            std::future::pending::<()>().await;
+            // what it had queued and fetches it again on resume); only a
+            // partition not paused yet can.
+            return match self.strays.recv().await {
+                Some(r) => r,
+                None => std::future::pending().await,
+            };
         }
         match self.records.recv().await {
             Some(r) => r,
@@ -189,6 +196,7 @@ impl DeadLetterSink for FakeDeadLetters {
 /// A worker over the stand-ins, running on its own task.
 struct Harness {
     records: UnboundedSender<Result<Record, KafkaError>>,
+    strays: UnboundedSender<Result<Record, KafkaError>>,
     events: Arc<Mutex<Vec<GroupEvent>>>,
     seen: Shared,
     health: Arc<Health>,
@@ -235,10 +243,12 @@ impl Harness {
         let start = Instant::now();
         let seen = Shared::default();
         let (records, rx) = unbounded_channel();
+        let (strays, strays_rx) = unbounded_channel();
         let tps = assigned.iter().map(|&p| tp(p)).collect();
         let events = Arc::new(Mutex::new(vec![GroupEvent::Assigned(tps)]));
         let intake = FakeIntake {
             records: rx,
+            strays: strays_rx,
             events: events.clone(),
             seen: seen.clone(),
             start,
@@ -281,6 +291,7 @@ impl Harness {
         let handle = tokio::spawn(worker.run(shutdown.clone()));
         Harness {
             records,
+            strays,
             events,
             seen,
             health,
@@ -296,6 +307,20 @@ impl Harness {
                 .send(Ok(record(partition, offset, valid)))
                 .unwrap();
         }
+    }
+
+    /// Records delivered while the consumer is paused, as a partition
+    /// assigned but not yet paused delivers them.
+    fn send_stray(&self, partition: i32, offsets: impl IntoIterator<Item = i64>) {
+        for offset in offsets {
+            self.strays
+                .send(Ok(record(partition, offset, true)))
+                .unwrap();
+        }
+    }
+
+    fn group_event(&self, event: GroupEvent) {
+        self.events.lock().unwrap().push(event);
     }
 
     /// Lets the worker run until `at` (since the start) on the paused clock.
@@ -792,4 +817,99 @@ async fn the_rate_limit_spaces_batches_with_partitions_paused_and_polled() {
         assert!(seen.polls_paused > 0, "polled while paused");
     }
     h.stop().await;
+}
+
+/// An eager rebalance revokes everything while the loop holds at the
+/// bound: the hold still pauses (nothing) and polls, so the new assignment
+/// arrives and is paused in turn. Before, a hold with nothing to pause
+/// never polled and its pause was always due: the loop spun at a full core
+/// and could not hear of the assignment until the write ended. Stepped
+/// with `advance` and yields past the grace, because a spinning loop never
+/// lets a paused clock move on by itself: this way that bug fails the
+/// assertions instead of hanging the test.
+#[tokio::test(start_paused = true)]
+async fn a_hold_with_an_empty_assignment_polls_and_does_not_spin() {
+    let h = Harness::start(
+        Options {
+            write_delay: Duration::from_secs(20),
+            max_events: Some(2),
+            max_in_flight: Some(2),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..4, true);
+    h.until(ms(100)).await;
+    h.group_event(GroupEvent::Revoked(vec![tp(0)]));
+    h.until(super::worker::HOLD_GRACE - ms(1)).await;
+    tokio::time::advance(ms(2)).await;
+    settle().await;
+    let (pauses, polls) = {
+        let seen = h.seen.lock().unwrap();
+        (seen.pauses.clone(), seen.polls_paused)
+    };
+    let grace = super::worker::HOLD_GRACE;
+    assert_eq!(pauses, vec![(grace + ms(1), vec![], true)], "paused once");
+    assert!(polls > 0, "polled while paused with nothing assigned");
+    h.group_event(GroupEvent::Assigned(vec![tp(1)]));
+    h.send_stray(1, [0]); // wakes the polling loop, which applies the event
+    h.until(grace + ms(100)).await;
+    let pauses = h.seen.lock().unwrap().pauses.clone();
+    assert_eq!(
+        pauses[1],
+        (grace + ms(1), vec![tp(1)], true),
+        "the new partition paused"
+    );
+    h.until(Duration::from_secs(41)).await;
+    assert_eq!(
+        h.writes().len(),
+        3,
+        "both held batches and the stray one written"
+    );
+    h.stop().await;
+}
+
+/// A record delivered while paused (a partition assigned but not yet
+/// paused) is kept, but opens no batch beyond the bound: the hold stays
+/// until a closed batch is handled. Before, the stray record's open batch
+/// released the hold at once and filled on, so `max_in_flight + 1`
+/// batches were in memory.
+#[tokio::test(start_paused = true)]
+async fn a_record_delivered_while_paused_does_not_release_the_hold() {
+    let h = Harness::start(
+        Options {
+            write_delay: Duration::from_secs(20),
+            max_events: Some(2),
+            max_in_flight: Some(2),
+            ..Options::default()
+        },
+        &[0, 1],
+    );
+    h.send(0, 0..4, true);
+    h.until(super::worker::HOLD_GRACE + ms(1)).await;
+    h.send_stray(1, [0]);
+    h.send(0, 4..6, true);
+    h.until(Duration::from_secs(19)).await;
+    {
+        let seen = h.seen.lock().unwrap();
+        assert_eq!(seen.pauses.len(), 1, "still paused: {:?}", seen.pauses);
+        assert_eq!(seen.writes.len(), 1);
+    }
+    h.until(Duration::from_secs(61)).await;
+    let resumed = h.seen.lock().unwrap().pauses[1].clone();
+    assert_eq!(
+        resumed.0,
+        Duration::from_secs(20),
+        "resumed when a batch was handled"
+    );
+    let writes: Vec<Vec<i64>> = h.writes().into_iter().map(|w| w.1).collect();
+    assert_eq!(writes, [vec![0, 1], vec![2, 3], vec![0, 4], vec![5]]);
+    h.stop().await;
+}
+
+/// Lets every ready task run without moving the paused clock.
+async fn settle() {
+    for _ in 0..200 {
+        tokio::task::yield_now().await;
+    }
 }

@@ -57,6 +57,22 @@ struct Open {
     since: Option<TokioInstant>,
 }
 
+/// Backpressure at the in-flight bound (see `Worker::hold_or_release`).
+#[derive(Debug, Default, PartialEq)]
+enum Hold {
+    /// Below the bound: records are taken.
+    #[default]
+    Free,
+    /// At the bound since then: no records are taken, the consumer is not
+    /// polled, until the grace is over.
+    Holding(TokioInstant),
+    /// Past the grace: these partitions are paused and the consumer is
+    /// polled on. The set may be empty (an eager rebalance revoked
+    /// everything during a slow write): still paused, still polling, so
+    /// the new assignment arrives and is paused in turn.
+    Paused(BTreeSet<TopicPartition>),
+}
+
 /// What woke the loop.
 enum Wake<B, D> {
     /// Boxed: the stage (settings, clients) dwarfs the other variants.
@@ -81,11 +97,10 @@ pub(crate) struct Worker<I, B, D> {
     tracker: OffsetTracker,
     /// The partitions this member owns, from the intake's group events.
     assignment: BTreeSet<TopicPartition>,
-    /// Since when the loop has held (taken no records at the bound).
-    held_since: Option<TokioInstant>,
-    /// Partitions paused by this hold (resumed, all of them, when it ends:
-    /// librdkafka keeps a partition paused across a revoke and reassign).
-    paused: BTreeSet<TopicPartition>,
+    /// Backpressure at the bound. The partitions a hold paused are all
+    /// resumed when it ends: librdkafka keeps a partition paused across a
+    /// revoke and reassign.
+    hold: Hold,
     metrics: Metrics,
     health: Arc<Health>,
     /// A revocation since the last dispatch: the stage forgets its cached
@@ -125,8 +140,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             queued: VecDeque::new(),
             tracker: OffsetTracker::new(),
             assignment: BTreeSet::new(),
-            held_since: None,
-            paused: BTreeSet::new(),
+            hold: Hold::Free,
             metrics,
             health,
             forget: false,
@@ -214,16 +228,28 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         self.queued.len() + usize::from(self.stage.is_none())
     }
 
-    /// Whether the open batch may take another record: it is not full, and
-    /// it exists or the bound leaves room for it.
-    fn may_take(&self) -> bool {
+    /// Whether the bound leaves room for the open batch: fewer than
+    /// `batch.max_in_flight` batches are closed (the open one is the
+    /// last). Records that arrive while held (the consumer is polled while
+    /// paused, and a partition assigned meanwhile may deliver before it is
+    /// paused) are kept in the open batch, but give it no room: it neither
+    /// grows on from them nor closes until a closed batch is handled.
+    fn room(&self) -> bool {
+        self.closed_in_flight() < self.settings.batch.max_in_flight
+    }
+
+    /// Whether the open batch is full.
+    fn full(&self) -> bool {
         let limits = &self.settings.batch;
         // Under a rate limit a batch holds one second of it at most, so a
         // batch's wait for the limit stays about a second.
         let max_events = self.rate_limit.batch_cap(limits.max_events);
-        let full = self.open.records.len() >= max_events || self.open.bytes >= limits.max_bytes;
-        let room = !self.open.records.is_empty() || self.closed_in_flight() < limits.max_in_flight;
-        !full && room
+        self.open.records.len() >= max_events || self.open.bytes >= limits.max_bytes
+    }
+
+    /// Whether the open batch may take another record.
+    fn may_take(&self) -> bool {
+        self.room() && !self.full()
     }
 
     /// Takes what the consumer has queued, without waiting, while the open
@@ -239,7 +265,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                 break;
             }
         }
-        if !self.open.records.is_empty() && (!self.may_take() || self.stage_free()) {
+        let due = self.full() || self.stage_free();
+        if !self.open.records.is_empty() && self.room() && due {
             self.close();
         }
     }
@@ -337,33 +364,36 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// be polled.
     fn hold_or_release(&mut self) -> bool {
         if self.may_take() {
-            self.held_since = None;
-            if !self.paused.is_empty() {
-                let paused: Vec<TopicPartition> =
-                    std::mem::take(&mut self.paused).into_iter().collect();
+            if let Hold::Paused(paused) = std::mem::take(&mut self.hold) {
+                let paused: Vec<TopicPartition> = paused.into_iter().collect();
                 tracing::info!(partitions = paused.len(), "resuming the consumer");
                 self.intake.resume(&paused);
             }
             return true;
         }
-        let since = *self.held_since.get_or_insert_with(TokioInstant::now);
-        if self.paused.is_empty() && since.elapsed() >= self.hold_grace() {
-            let tps: Vec<TopicPartition> = self.assignment.iter().cloned().collect();
-            tracing::info!(
-                partitions = tps.len(),
-                "batches in flight at the bound: pausing the consumer and polling on"
-            );
-            self.intake.pause(&tps);
-            self.paused.extend(tps);
+        match self.hold {
+            Hold::Free => self.hold = Hold::Holding(TokioInstant::now()),
+            Hold::Holding(since) if since.elapsed() >= self.hold_grace() => {
+                let tps: Vec<TopicPartition> = self.assignment.iter().cloned().collect();
+                tracing::info!(
+                    partitions = tps.len(),
+                    "batches in flight at the bound: pausing the consumer and polling on"
+                );
+                self.intake.pause(&tps);
+                self.hold = Hold::Paused(tps.into_iter().collect());
+            }
+            Hold::Holding(_) | Hold::Paused(_) => {}
         }
-        !self.paused.is_empty()
+        matches!(self.hold, Hold::Paused(_))
     }
 
     /// When a hold that has not paused yet reaches its grace: the loop
     /// wakes then to pause, rather than at its next idle tick.
     fn pause_due(&self) -> Option<TokioInstant> {
-        let since = self.held_since.filter(|_| self.paused.is_empty())?;
-        Some(since + self.hold_grace())
+        match self.hold {
+            Hold::Holding(since) => Some(since + self.hold_grace()),
+            Hold::Free | Hold::Paused(_) => None,
+        }
     }
 
     fn hold_grace(&self) -> Duration {
@@ -430,10 +460,10 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         for event in self.intake.group_events() {
             match event {
                 GroupEvent::Assigned(tps) => {
-                    if !self.paused.is_empty() {
+                    if let Hold::Paused(paused) = &mut self.hold {
                         // Holding: new partitions wait too.
                         self.intake.pause(&tps);
-                        self.paused.extend(tps.iter().cloned());
+                        paused.extend(tps.iter().cloned());
                     }
                     self.assignment.extend(tps);
                 }
