@@ -380,19 +380,20 @@ impl<S: BucketDb> BucketWriter<S> {
     }
 
     /// Some guard missed and the `update` reply gives only a total: which
-    /// fills went in? A fill counts as stored only if *every* trade it
-    /// carried is now in one of its customer's buckets, whoever put it
-    /// there: then each of them is stored exactly once (the key index
-    /// allows one copy), and nothing more can be proven or needed. Any
-    /// less, and the fill is stale: its customer is reloaded and planned
-    /// again, which settles what is stored and writes the rest. Asking for
-    /// one key per fill is not enough: another writer may have stored that
-    /// one trade (an upstream duplicate) while the guard turned ours away.
-    /// The held ones are not cached either: another writer may have
-    /// appended more than our plan did.
+    /// fills went in? None can be proven to have, so every one that has not
+    /// failed otherwise is stale: its customer is reloaded and the rest of
+    /// its plan (new buckets planned after a fill we cannot vouch for) is
+    /// not sent. What can be proven is settled: a fill's trades that are
+    /// *all* in its customer's buckets, whoever put them there, are stored
+    /// exactly once (the key index allows one copy), and need no write.
+    /// One key per fill proves nothing: another writer may have stored
+    /// that one trade (an upstream duplicate) while the guard turned ours
+    /// away; and settling the fill does not vouch for its bucket, which may
+    /// not be as full as our plan had it (docs/design.md, "A guard that
+    /// missed").
     async fn find_missed(
         &mut self,
-        batch: &Batch<'_>,
+        batch: &mut Batch<'_>,
         round: &mut Round,
         fillers: &[usize],
     ) -> Result<(), StoreError> {
@@ -419,10 +420,10 @@ impl<S: BucketDb> BucketWriter<S> {
                 buckets.is_some_and(|ids| ids.iter().any(|id| prefix.owns(id)))
             });
             if all_stored {
-                round.uncached.push(round.plans[p].0.clone());
-            } else {
-                round.mark_stale(p);
+                // Ours or another's: written either way, and not again.
+                record(batch.outcomes, &round.fill(p).events, Outcome::Written);
             }
+            round.mark_stale(p);
         }
         Ok(())
     }
@@ -519,7 +520,7 @@ impl<S: BucketDb> BucketWriter<S> {
                 }
             }
         }
-        for customer in unsettled.into_iter().chain(&round.uncached) {
+        for customer in unsettled {
             self.cache.pop(customer);
         }
         batch.stats.conflicts += round.conflicted.len();
@@ -695,9 +696,6 @@ struct Round {
     /// Our view of them is wrong or unknown (a guard missed, a refusal, a
     /// write not attempted): reloaded.
     stale: Vec<CustomerId>,
-    /// Settled, but their newest bucket may hold more than the plan says
-    /// (a fill found held after a shortfall): not cached.
-    uncached: Vec<CustomerId>,
     /// A statement failed for a reason other than its data: the batch is
     /// retried once the round is settled.
     transient: Option<StatementError>,
@@ -710,7 +708,6 @@ impl Round {
             plans,
             conflicted: Vec::new(),
             stale: Vec::new(),
-            uncached: Vec::new(),
             transient: None,
         }
     }
@@ -793,3 +790,6 @@ fn record(outcomes: &mut [Outcome], idx: &[usize], outcome: Outcome) {
 fn all_final(idx: Option<&Vec<usize>>, outcomes: &[Outcome]) -> bool {
     idx.is_none_or(|idx| idx.iter().all(|&i| outcomes[i].is_final()))
 }
+
+#[cfg(test)]
+mod model;
