@@ -522,6 +522,11 @@ impl<S: BucketDb> BucketWriter<S> {
         }
         for customer in unsettled {
             self.cache.pop(customer);
+            // Settled after all (a missed fill whose trades are all
+            // stored): nothing left to plan, so nothing to reload.
+            if all_final(batch.pending.get(customer), batch.outcomes) {
+                batch.pending.remove(customer);
+            }
         }
         batch.stats.conflicts += round.conflicted.len();
     }

@@ -426,3 +426,27 @@ fn extras_nest_only_as_deep_as_a_bucket_can_store() {
         );
     }
 }
+
+/// One customer, one identity, in every mode: `7` and `"7"` decode to the
+/// same id (and so one key of the writer's batch), while text that is not
+/// an integer written plainly keeps its own prefix.
+#[test]
+fn a_customer_id_of_digits_sent_as_text_decodes_as_the_number() {
+    let customer = |id: &str| {
+        let json = format!(
+            r#"{{"customerId":{id},"type":"buy","ticker":"MDB","qty":1,"date":"2023-10-26T15:47:03.434Z"}}"#
+        );
+        ok(&json).customer
+    };
+    assert_eq!(customer("7"), CustomerId::Int(7));
+    assert_eq!(customer(r#""7""#), CustomerId::Int(7));
+    assert_eq!(customer(r#""0""#), CustomerId::Int(0));
+    assert_eq!(customer(r#""07""#), CustomerId::Str("07".into()));
+    assert_eq!(customer(r#""C-7""#), CustomerId::Str("C-7".into()));
+    // Past Int64: text, as before.
+    let huge = r#""92233720368547758070""#;
+    assert_eq!(
+        customer(huge),
+        CustomerId::Str("92233720368547758070".into())
+    );
+}

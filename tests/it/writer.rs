@@ -2,6 +2,7 @@
 //! batch costs when some of its new buckets are refused. Each test runs in
 //! both modes (`mongodb.sharded` false and true).
 
+use mongodb::bson::doc;
 use testkit::*;
 use tradebucket::bucket::store::BucketStore;
 use tradebucket::bucket::writer::{BucketWriter, Outcome, WriteStats};
@@ -268,6 +269,72 @@ async fn a_missed_guard_reloads_only_its_customer() {
     assert_eq!((stats.rounds, stats.heads_loaded), (2, 1), "{stats:?}");
     let report = audit_clean(&env, CAPACITY).await;
     assert_eq!(report.trades, 2 * customers as u64 + 1);
+    env.cleanup().await;
+}
+
+/// A newest bucket written by another tool with `count: 2.5` (a guard on
+/// it can never match) costs only its customer: that customer's events are
+/// dead-lettered with a reason naming the bucket and the field, the other
+/// customers' are written in the same call, and nothing is retried. Before,
+/// the count was read as 2 and every batch stalled and retried for ever.
+/// Mended, the bucket takes the customer's trades again.
+#[tokio::test]
+async fn a_bucket_whose_count_is_not_whole_dead_letters_only_its_customer() {
+    let env = TestEnv::new("writer-bad-count", 1).await;
+    let store = env.store().await;
+    store.init().await.expect("indexes");
+    let topic = env.topic.clone();
+    let mut writer = BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());
+    let round = |r: i64| -> Vec<(Trade, Source)> {
+        (0..5)
+            .map(|c| event(&format!("r{r}-{c}"), c, r * 5 + c, &topic))
+            .collect()
+    };
+    write_all(&mut writer, round(0)).await;
+    let bad = buckets_of(&env, 3).await[0]
+        .get_str("_id")
+        .unwrap()
+        .to_string();
+    let set_count = |count: mongodb::bson::Bson| {
+        let coll = store.collection().clone();
+        let bad = bad.clone();
+        async move {
+            coll.update_one(doc! {"_id": bad}, doc! {"$set": {"count": count}})
+                .await
+                .expect("update");
+        }
+    };
+    set_count(2.5.into()).await;
+    // A cold writer, as after a restart: it must load the bad bucket.
+    let mut cold = BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());
+    let batch = round(1);
+    let mut outcomes = vec![Outcome::Pending; batch.len()];
+    cold.write(&batch, &mut outcomes)
+        .await
+        .expect("no endless retry");
+    for (i, o) in outcomes.iter().enumerate() {
+        match (i, o) {
+            (3, Outcome::DeadLetter(r)) => {
+                assert!(
+                    r.message.contains(&bad) && r.message.contains("count is 2.5"),
+                    "{r:?}"
+                );
+            }
+            (3, other) => panic!("customer 3: {other:?}"),
+            (_, other) => assert_eq!(*other, Outcome::Written, "customer {i}"),
+        }
+    }
+    set_count(1i64.into()).await;
+    write_all(&mut cold, vec![batch[3].clone()]).await;
+    assert_eq!(
+        buckets_of(&env, 3)
+            .await
+            .iter()
+            .map(keys_of)
+            .map(|k| k.len())
+            .sum::<usize>(),
+        2
+    );
     env.cleanup().await;
 }
 
