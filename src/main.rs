@@ -184,6 +184,12 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
                     report.trades,
                     report.violations.len()
                 );
+                if report.text_digit_customers > 0 {
+                    println!(
+                        "note: {} customers stored as text of digits (docs/operations.md#customer-ids-stored-as-text)",
+                        report.text_digit_customers
+                    );
+                }
                 for v in &report.violations {
                     println!("violation: {v}");
                 }

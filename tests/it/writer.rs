@@ -338,6 +338,71 @@ async fn a_bucket_whose_count_is_not_whole_dead_letters_only_its_customer() {
     env.cleanup().await;
 }
 
+/// What the audit can see of the losses this class of bug leaves: one
+/// customer under two spellings (`1` and `"1"` in one chain), a bucket
+/// that took a trade after its successor was opened (its watermark past
+/// the successor's), and, not a violation but counted, customers an
+/// earlier version stored as text of digits.
+#[tokio::test]
+async fn audit_reports_two_spellings_appends_after_a_successor_and_text_ids() {
+    let env = TestEnv::new("writer-audit-classes", 1).await;
+    let store = env.store().await;
+    store.init().await.expect("indexes");
+    let topic = env.topic.clone();
+    let mut writer = BucketWriter::new(store.clone(), 2, 10_000, Metrics::new());
+    // Three trades each: two buckets per customer at capacity 2.
+    let batch = (1..=3).flat_map(|c| (0..3).map(move |j| (c, j)));
+    let batch = batch.map(|(c, j)| event(&format!("a{c}-{j}"), c, c * 10 + j, &topic));
+    write_all(&mut writer, batch.collect()).await;
+    let clean = tradebucket::cli::audit(
+        &env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "2")]),
+        None,
+    )
+    .await
+    .expect("audit");
+    assert!(clean.violations.is_empty(), "{:#?}", clean.violations);
+    let coll = store.collection();
+    let (one, two) = (bucket_ids(&env, 1).await, bucket_ids(&env, 2).await);
+    coll.update_one(doc! {"_id": &one[1]}, doc! {"$set": {"customerId": "1"}})
+        .await
+        .unwrap();
+    let partition = format!("{}:0", topic.replace('.', "~"));
+    let past = doc! {"$set": {format!("wm.{partition}"): 1_000_000i64}};
+    coll.update_one(doc! {"_id": &two[0]}, past).await.unwrap();
+    coll.update_many(
+        doc! {"customerId": 3i64},
+        doc! {"$set": {"customerId": "3"}},
+    )
+    .await
+    .unwrap();
+    let report = tradebucket::cli::audit(
+        &env.settings(&[("TRADEBUCKET__BUCKETS__CAPACITY", "2")]),
+        None,
+    )
+    .await
+    .expect("audit");
+    let v = &report.violations;
+    assert_eq!(v.len(), 2, "{v:#?}");
+    assert!(
+        v[0].starts_with(&one[1]) && v[0].contains("two spellings"),
+        "{v:#?}"
+    );
+    assert!(
+        v[1].starts_with(&two[0]) && v[1].contains("after its successor"),
+        "{v:#?}"
+    );
+    assert_eq!(report.text_digit_customers, 1);
+    env.cleanup().await;
+}
+
+async fn bucket_ids(env: &TestEnv, customer: i64) -> Vec<String> {
+    let buckets = buckets_of(env, customer).await;
+    buckets
+        .iter()
+        .map(|d| d.get_str("_id").unwrap().to_string())
+        .collect()
+}
+
 /// Writes `batch`, which must be written whole.
 async fn write_all(w: &mut BucketWriter, batch: Vec<(Trade, Source)>) -> WriteStats {
     let mut outcomes = vec![Outcome::Pending; batch.len()];
