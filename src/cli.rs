@@ -175,6 +175,15 @@ pub async fn audit(
     customer: Option<&CustomerId>,
 ) -> Result<AuditReport, CliError> {
     let store = BucketStore::connect(settings).await?;
+    audit_with(&store, settings, customer).await
+}
+
+/// [`audit`] over a store already connected.
+pub async fn audit_with(
+    store: &BucketStore,
+    settings: &Settings,
+    customer: Option<&CustomerId>,
+) -> Result<AuditReport, CliError> {
     let filter = customer.map(|c| Prefix::of(c).range()).unwrap_or_default();
     // Whole documents, as stored: their length is the BSON size `bytes`
     // must bound.
