@@ -120,6 +120,22 @@ impl BucketHead {
     }
 }
 
+/// A customer's newest bucket as loaded: none yet, one we can plan
+/// against, or one we cannot read (see [`UnreadableBucket`]).
+pub type LoadedHead = Result<Option<BucketHead>, UnreadableBucket>;
+
+/// A newest bucket this version cannot plan against: a field the guard or
+/// the planner relies on has a value no writer of ours stores (a `count`
+/// that is not a whole number, say), written by another tool or by hand.
+/// Only that customer's events are affected: they are dead-lettered with
+/// this reason, and every other customer's are written and committed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("bucket {id} cannot be read: {why}")]
+pub struct UnreadableBucket {
+    pub id: String,
+    pub why: String,
+}
+
 /// One event of the batch, as the planner sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Event<'a> {

@@ -39,9 +39,8 @@ use mongodb::options::{
 };
 use mongodb::{Client, Collection, Database, IndexModel};
 
-use super::db::{LoadedHead, UnreadableBucket};
 use super::id::Prefix;
-use super::plan::{BucketHead, Fill, NewBucket};
+use super::plan::{BucketHead, Fill, LoadedHead, NewBucket, UnreadableBucket};
 use secrecy::ExposeSecret;
 
 use crate::config::{Settings, WriteAcknowledgment};

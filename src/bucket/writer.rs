@@ -25,9 +25,11 @@ use std::ops::Range;
 use lru::LruCache;
 use mongodb::bson::RawDocumentBuf;
 
-use super::db::{BucketDb, UnreadableBucket};
+use super::db::BucketDb;
 use super::id::Prefix;
-use super::plan::{plan_customer, BucketHead, CustomerPlan, Event, Fill, Known, Limits};
+use super::plan::{
+    plan_customer, BucketHead, CustomerPlan, Event, Fill, Known, Limits, UnreadableBucket,
+};
 use super::store::{bucket_document, fill_statement, BucketStore, StatementError, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 use crate::metrics::Metrics;

@@ -30,8 +30,9 @@ use mongodb::bson::{rawdoc, Bson, DateTime, Document, RawDocumentBuf};
 use proptest::prelude::*;
 
 use super::{BucketWriter, Outcome};
-use crate::bucket::db::{BucketDb, LoadedHead};
+use crate::bucket::db::BucketDb;
 use crate::bucket::id::Prefix;
+use crate::bucket::plan::LoadedHead;
 use crate::bucket::store::{
     head_from_document, FillOutcome, InsertOutcome, StatementError, StoreError, DUPLICATE_KEY,
 };
