@@ -14,8 +14,6 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::bucket::size::MAX_ENTRY_BYTES;
-
 /// Latest instant whose epoch seconds still have ten digits. Bucket `_id`s
 /// carry ten zero-padded digits so that string order is time order; a later
 /// date would break `sort({_id: 1})`.
@@ -25,13 +23,20 @@ pub const MAX_EPOCH_SECONDS: i64 = 9_999_999_999;
 /// `tickers` (see `bucket::size`).
 pub const MAX_TICKER_LEN: usize = 16;
 
+/// The largest history entry (one trade as stored, in BSON) the decoder
+/// admits; a larger trade is dead-lettered (`oversize`): no bucket could
+/// take it. Lowering it is always safe; raising it is not, because buckets
+/// opened earlier close at a `capBytes` computed for the old limit
+/// (`bucket::size`).
+pub const MAX_ENTRY_BYTES: u64 = 8 * 1024 * 1024;
+
 /// Why an event was rejected. The kind is the dead-letter header value and
 /// the metric label, so the set is closed and stable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RejectKind {
     /// The payload is larger than `kafka.max_message_bytes`, or the trade
     /// as stored (BSON) is larger than any bucket can take
-    /// ([`crate::bucket::size::MAX_ENTRY_BYTES`]).
+    /// ([`MAX_ENTRY_BYTES`]).
     Oversize,
     /// No payload at all (a tombstone or an empty message).
     Empty,

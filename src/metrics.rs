@@ -3,6 +3,12 @@
 //! operations, topics and partitions, never customer ids). Each pipeline
 //! owns its registry, so tests running several in one process stay apart.
 
+mod labels;
+
+pub use labels::{
+    CommitResult, ConsumerErrorKind, RebalanceKind, RetryKind, SkipReason, TimeoutOperation,
+    WriteOperation,
+};
 use prometheus::core::Collector;
 use prometheus::{
     Counter, Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -80,41 +86,31 @@ const THROTTLED_SECONDS_TOTAL: Def = (
     "Seconds the worker waited before writing because of rate_limit.events_per_second (consumption paused meanwhile).",
 );
 
-/// Every `operation` label of `tradebucket_timeouts_total` (a bounded set).
-pub const TIMEOUT_OPERATIONS: [&str; 6] = [
-    "mongodb_read",
-    "mongodb_write",
-    "mongodb_write_concern",
-    "mongodb_ping",
-    "kafka_request",
-    "dead_letter",
-];
-
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
     pub events_consumed: IntCounter,
     pub events_written: IntCounter,
-    /// reason: already_applied | duplicate
+    /// reason: [`SkipReason`]
     pub events_skipped: IntCounterVec,
-    /// reason: a reject kind
+    /// reason: a [`RejectKind`](crate::event::RejectKind)
     pub events_dead_lettered: IntCounterVec,
     pub buckets_created: IntCounter,
     pub bucket_updates: IntCounter,
     pub bucket_conflicts: IntCounter,
     pub batch_events: Histogram,
     pub batch_customers: Histogram,
-    /// operation: load | find_keys | fill | insert (see `bucket::writer`)
+    /// operation: [`WriteOperation`]
     pub mongodb_write_duration: HistogramVec,
-    /// kind: mongodb | dead_letter | commit
+    /// kind: [`RetryKind`]
     pub retries: IntCounterVec,
-    /// operation: see [`TIMEOUT_OPERATIONS`]
+    /// operation: [`TimeoutOperation`]
     pub timeouts: IntCounterVec,
-    /// kind: see `kafka::CONSUMER_ERROR_KINDS`
+    /// kind: [`ConsumerErrorKind`]
     pub consumer_errors: IntCounterVec,
-    /// result: ok | error
+    /// result: [`CommitResult`]
     pub offset_commits: IntCounterVec,
-    /// kind: assigned | revoked
+    /// kind: [`RebalanceKind`]
     pub rebalances: IntCounterVec,
     pub consumer_lag: IntGaugeVec,
     pub end_to_end_delay: Histogram,
@@ -225,24 +221,59 @@ impl Metrics {
     /// exist (at 0) before the first incident.
     fn precreate_series(&self) {
         for kind in crate::event::RejectKind::ALL {
-            self.events_dead_lettered
-                .with_label_values(&[kind.as_str()]);
+            self.dead_lettered(kind);
         }
-        for reason in ["already_applied", "duplicate"] {
-            self.events_skipped.with_label_values(&[reason]);
-        }
-        for result in ["ok", "error"] {
-            self.offset_commits.with_label_values(&[result]);
-        }
-        for kind in ["mongodb", "dead_letter", "commit"] {
-            self.retries.with_label_values(&[kind]);
-        }
-        for kind in crate::kafka::CONSUMER_ERROR_KINDS {
-            self.consumer_errors.with_label_values(&[kind]);
-        }
-        for operation in TIMEOUT_OPERATIONS {
-            self.timeouts.with_label_values(&[operation]);
-        }
+        SkipReason::ALL.iter().for_each(|&r| drop(self.skipped(r)));
+        CommitResult::ALL.iter().for_each(|&r| drop(self.commit(r)));
+        RetryKind::ALL.iter().for_each(|&k| drop(self.retry(k)));
+        ConsumerErrorKind::ALL
+            .iter()
+            .for_each(|&k| drop(self.consumer_error(k)));
+        TimeoutOperation::ALL
+            .iter()
+            .for_each(|&o| drop(self.timeout(o)));
+    }
+
+    /// `tradebucket_events_skipped_total{reason}`.
+    pub fn skipped(&self, reason: SkipReason) -> IntCounter {
+        self.events_skipped.with_label_values(&[reason.as_str()])
+    }
+
+    /// `tradebucket_events_dead_lettered_total{reason}`.
+    pub fn dead_lettered(&self, kind: crate::event::RejectKind) -> IntCounter {
+        self.events_dead_lettered
+            .with_label_values(&[kind.as_str()])
+    }
+
+    /// `tradebucket_offset_commits_total{result}`.
+    pub fn commit(&self, result: CommitResult) -> IntCounter {
+        self.offset_commits.with_label_values(&[result.as_str()])
+    }
+
+    /// `tradebucket_retries_total{kind}`.
+    pub fn retry(&self, kind: RetryKind) -> IntCounter {
+        self.retries.with_label_values(&[kind.as_str()])
+    }
+
+    /// `tradebucket_timeouts_total{operation}`.
+    pub fn timeout(&self, operation: TimeoutOperation) -> IntCounter {
+        self.timeouts.with_label_values(&[operation.as_str()])
+    }
+
+    /// `tradebucket_consumer_errors_total{kind}`.
+    pub fn consumer_error(&self, kind: ConsumerErrorKind) -> IntCounter {
+        self.consumer_errors.with_label_values(&[kind.as_str()])
+    }
+
+    /// `tradebucket_mongodb_write_duration_seconds{operation}`.
+    pub fn write_duration(&self, operation: WriteOperation) -> Histogram {
+        self.mongodb_write_duration
+            .with_label_values(&[operation.as_str()])
+    }
+
+    /// `tradebucket_rebalances_total{kind}`.
+    pub fn rebalance(&self, kind: RebalanceKind) -> IntCounter {
+        self.rebalances.with_label_values(&[kind.as_str()])
     }
 
     /// The Prometheus text exposition of every metric.
@@ -304,10 +335,8 @@ mod tests {
         m.throttled_seconds.inc_by(0.5);
         // Labelled series appear once a label value is used.
         m.consumer_lag.with_label_values(&["trades", "0"]).set(0);
-        m.mongodb_write_duration
-            .with_label_values(&["load"])
-            .observe(0.0);
-        m.rebalances.with_label_values(&["assigned"]).inc();
+        m.write_duration(WriteOperation::Load).observe(0.0);
+        m.rebalance(RebalanceKind::Assigned).inc();
         let text = m.render();
         let exposed: std::collections::BTreeSet<&str> = text
             .lines()

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 
 use mongodb::bson::{self, doc, Bson};
 
-use crate::event::{Source, Trade, MAX_TICKER_LEN};
+use crate::event::{Source, Trade, MAX_ENTRY_BYTES, MAX_TICKER_LEN};
 
 /// MongoDB's limit on a stored document (`maxBsonObjectSize`).
 pub const MAX_DOCUMENT_BYTES: u64 = 16 * 1024 * 1024;
@@ -35,12 +35,6 @@ pub const MAX_DOCUMENT_BYTES: u64 = 16 * 1024 * 1024;
 /// holding one fill (its trades are at most the bucket's growth) stays
 /// under the server's command limit of 16 MiB + 16 KiB.
 pub const SIZE_MARGIN: u64 = 512 * 1024;
-
-/// The largest history entry (one trade as stored, in BSON) the decoder
-/// admits; a larger trade is dead-lettered (`oversize`): no bucket could
-/// take it. Lowering it is always safe; raising it is not, because buckets
-/// opened earlier close at a `capBytes` computed for the old limit.
-pub const MAX_ENTRY_BYTES: u64 = 8 * 1024 * 1024;
 
 /// Array indices are decimal strings. No array in a document of at most
 /// 16 MiB has 10^7 elements (each takes at least 3 bytes), so seven digits

@@ -45,6 +45,7 @@ use secrecy::ExposeSecret;
 
 use crate::config::{Settings, WriteAcknowledgment};
 use crate::event::{CustomerId, Trade};
+use crate::metrics::TimeoutOperation;
 
 /// Duplicate key: another writer (or an earlier delivery) got there first.
 pub const DUPLICATE_KEY: i32 = 11000;
@@ -141,13 +142,15 @@ pub enum StoreError {
 impl StoreError {
     /// The `operation` label of `tradebucket_timeouts_total` when this is
     /// a time limit that expired: ours, or the server's `wtimeout`.
-    pub fn timeout_operation(&self) -> Option<&'static str> {
+    pub fn timeout_operation(&self) -> Option<TimeoutOperation> {
         match self {
-            StoreError::TimedOut { operation, .. } if *operation == "find" => Some("mongodb_read"),
-            StoreError::TimedOut { .. } => Some("mongodb_write"),
-            StoreError::WriteConcern { .. } => Some("mongodb_write_concern"),
+            StoreError::TimedOut { operation, .. } if *operation == "find" => {
+                Some(TimeoutOperation::MongodbRead)
+            }
+            StoreError::TimedOut { .. } => Some(TimeoutOperation::MongodbWrite),
+            StoreError::WriteConcern { .. } => Some(TimeoutOperation::MongodbWriteConcern),
             StoreError::Transient(e) if is_write_concern_timeout(e) => {
-                Some("mongodb_write_concern")
+                Some(TimeoutOperation::MongodbWriteConcern)
             }
             _ => None,
         }
@@ -1202,7 +1205,7 @@ mod tests {
             ),
             "{e}"
         );
-        assert_eq!(e.timeout_operation(), Some("mongodb_write"));
+        assert_eq!(e.timeout_operation(), Some(TimeoutOperation::MongodbWrite));
         assert!(
             e.readiness_reason().contains("time limit"),
             "{}",
@@ -1214,7 +1217,10 @@ mod tests {
             code: 64,
             message: "waiting for replication timed out".into(),
         };
-        assert_eq!(wce.timeout_operation(), Some("mongodb_write_concern"));
+        assert_eq!(
+            wce.timeout_operation(),
+            Some(TimeoutOperation::MongodbWriteConcern)
+        );
     }
 
     #[test]

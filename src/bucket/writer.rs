@@ -32,7 +32,7 @@ use super::plan::{
 };
 use super::store::{bucket_document, fill_statement, BucketStore, StatementError, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, WriteOperation};
 
 /// A conflict is resolved by one reload; this many rounds in a row that
 /// settle no event mean something keeps writing the same customers (a
@@ -95,11 +95,8 @@ impl<S: BucketDb> BucketWriter<S> {
         }
     }
 
-    fn timer(&self, operation: &str) -> prometheus::HistogramTimer {
-        self.metrics
-            .mongodb_write_duration
-            .with_label_values(&[operation])
-            .start_timer()
+    fn timer(&self, operation: WriteOperation) -> prometheus::HistogramTimer {
+        self.metrics.write_duration(operation).start_timer()
     }
 
     pub fn store(&self) -> &S {
@@ -194,7 +191,7 @@ impl<S: BucketDb> BucketWriter<S> {
             return Ok(());
         }
         batch.stats.heads_loaded += missing.len();
-        let timer = self.timer("load");
+        let timer = self.timer(WriteOperation::Load);
         let heads = self.store.load_heads(missing).await?;
         timer.observe_duration();
         for (customer, head) in heads {
@@ -226,7 +223,7 @@ impl<S: BucketDb> BucketWriter<S> {
             return Ok(());
         }
         let keys = keys_of(batch.events, &asked);
-        let timer = self.timer("find_keys");
+        let timer = self.timer(WriteOperation::FindKeys);
         let found = self.store.find_keys(&keys).await?;
         timer.observe_duration();
         let mut stored: HashSet<usize> = HashSet::new();
@@ -359,7 +356,7 @@ impl<S: BucketDb> BucketWriter<S> {
                 fill_statement(fill, &batch.trades(&fill.events), shard_key.as_ref())
             })
             .collect();
-        let timer = self.timer("fill");
+        let timer = self.timer(WriteOperation::Fill);
         let outcome = self.store.apply_fills(statements).await?;
         timer.observe_duration();
         batch.stats.fills += fillers.len();
@@ -408,7 +405,7 @@ impl<S: BucketDb> BucketWriter<S> {
                 keys.map(move |k| (customer.clone(), k.clone()))
             })
             .collect();
-        let timer = self.timer("find_keys");
+        let timer = self.timer(WriteOperation::FindKeys);
         let found = self.store.find_keys(&wanted).await?;
         timer.observe_duration();
         let mut stored_in: HashMap<&str, Vec<&str>> = HashMap::new();
@@ -477,7 +474,7 @@ impl<S: BucketDb> BucketWriter<S> {
                 bucket_document(nb, &batch.trades(&nb.events))
             })
             .collect();
-        let timer = self.timer("insert");
+        let timer = self.timer(WriteOperation::Insert);
         let outcome = self.store.insert_buckets(raw, ordered).await?;
         timer.observe_duration();
         let mut refused_docs: HashSet<usize> = HashSet::new();
@@ -563,7 +560,7 @@ impl<S: BucketDb> BucketWriter<S> {
             }
         }
         let keys = keys_of(events, &owner_of);
-        let timer = self.timer("find_keys");
+        let timer = self.timer(WriteOperation::FindKeys);
         let found = self.store.find_keys(&keys).await?;
         timer.observe_duration();
         for (key, bucket_id) in found {

@@ -29,7 +29,7 @@ use secrecy::ExposeSecret;
 
 use crate::config::Settings;
 use crate::health::Health;
-use crate::metrics::Metrics;
+use crate::metrics::{CommitResult, ConsumerErrorKind, Metrics, RebalanceKind, TimeoutOperation};
 use crate::offsets::TopicPartition;
 use group::Settling;
 
@@ -58,18 +58,19 @@ pub const H_PAYLOAD_SHA256: &str = "tradebucket.payload.sha256";
 
 /// What kind of consumer error, as the `kind` label of
 /// `tradebucket_consumer_errors_total` (a bounded set).
-pub fn consumer_error_kind(e: &KafkaError) -> &'static str {
+pub fn consumer_error_kind(e: &KafkaError) -> ConsumerErrorKind {
+    use ConsumerErrorKind as K;
     use RDKafkaErrorCode as C;
     if matches!(e, KafkaError::MessageConsumptionFatal(_)) {
-        return "fatal";
+        return K::Fatal;
     }
     match e.rdkafka_error_code() {
         Some(C::BrokerTransportFailure | C::AllBrokersDown | C::Resolve | C::RequestTimedOut) => {
-            "transport"
+            K::Transport
         }
-        Some(C::AutoOffsetReset | C::OffsetOutOfRange) => "offset_reset",
+        Some(C::AutoOffsetReset | C::OffsetOutOfRange) => K::OffsetReset,
         Some(C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition) => {
-            "unknown_topic_or_partition"
+            K::UnknownTopicOrPartition
         }
         Some(
             C::TopicAuthorizationFailed
@@ -77,25 +78,14 @@ pub fn consumer_error_kind(e: &KafkaError) -> &'static str {
             | C::ClusterAuthorizationFailed
             | C::Authentication
             | C::SaslAuthenticationFailed,
-        ) => "authorization",
-        Some(C::Fatal) => "fatal",
+        ) => K::Authorization,
+        Some(C::Fatal) => K::Fatal,
         // librdkafka reports these for records it skips and never delivers:
         // a failed CRC (with `check.crcs`), a record format it does not know.
-        Some(C::BadMessage | C::NotImplemented) => "skipped_records",
-        _ => "other",
+        Some(C::BadMessage | C::NotImplemented) => K::SkippedRecords,
+        _ => K::Other,
     }
 }
-
-/// Every value [`consumer_error_kind`] returns.
-pub const CONSUMER_ERROR_KINDS: [&str; 7] = [
-    "transport",
-    "offset_reset",
-    "unknown_topic_or_partition",
-    "authorization",
-    "fatal",
-    "skipped_records",
-    "other",
-];
 
 /// A change of this member's assignment, sent by the rebalance callbacks
 /// in the order they ran.
@@ -185,10 +175,7 @@ impl ClientContext for ConsumerCtx {
 
     fn error(&self, error: KafkaError, reason: &str) {
         if timed_out(&error) {
-            self.metrics
-                .timeouts
-                .with_label_values(&["kafka_request"])
-                .inc();
+            self.metrics.timeout(TimeoutOperation::KafkaRequest).inc();
         }
         self.logs.client_error(&error, reason);
     }
@@ -327,10 +314,7 @@ impl ConsumerContext for ConsumerCtx {
             }
             let revoked = partitions(tpl);
             tracing::info!(partitions = ?revoked, "partitions revoked");
-            self.metrics
-                .rebalances
-                .with_label_values(&["revoked"])
-                .inc();
+            self.metrics.rebalance(RebalanceKind::Revoked).inc();
             for (topic, partition) in &revoked {
                 self.forget_lag(topic, *partition);
             }
@@ -343,10 +327,7 @@ impl ConsumerContext for ConsumerCtx {
             Rebalance::Assign(tpl) => {
                 let assigned = partitions(tpl);
                 tracing::info!(partitions = ?assigned, "partitions assigned");
-                self.metrics
-                    .rebalances
-                    .with_label_values(&["assigned"])
-                    .inc();
+                self.metrics.rebalance(RebalanceKind::Assigned).inc();
                 self.changed(GroupEvent::Assigned(assigned));
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
@@ -356,12 +337,9 @@ impl ConsumerContext for ConsumerCtx {
 
     fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
         match result {
-            Ok(()) => self.metrics.offset_commits.with_label_values(&["ok"]).inc(),
+            Ok(()) => self.metrics.commit(CommitResult::Ok).inc(),
             Err(e) => {
-                self.metrics
-                    .offset_commits
-                    .with_label_values(&["error"])
-                    .inc();
+                self.metrics.commit(CommitResult::Error).inc();
                 tracing::warn!(error = %e, "offset commit failed; the next commit supersedes it");
             }
         }

@@ -24,7 +24,7 @@ use crate::event::{Source, Trade};
 use crate::health::Health;
 use crate::kafka::stall::{self, StallWatch};
 use crate::kafka::{self, ConsumerCtx, DeadLetter, GroupEvent};
-use crate::metrics::Metrics;
+use crate::metrics::{CommitResult, Metrics, RetryKind, TimeoutOperation};
 use crate::offsets::TopicPartition;
 
 pub(crate) struct KafkaIntake {
@@ -55,8 +55,8 @@ impl KafkaIntake {
 
     fn commit_failed(&self, e: &KafkaError) {
         let m = &self.metrics;
-        m.offset_commits.with_label_values(&["error"]).inc();
-        m.retries.with_label_values(&["commit"]).inc();
+        m.commit(CommitResult::Error).inc();
+        m.retry(RetryKind::Commit).inc();
         tracing::warn!(error = %e, "offset commit failed; the next one supersedes it");
     }
 }
@@ -98,7 +98,7 @@ impl Intake for KafkaIntake {
         match self.consumer.commit_consumer_state(mode) {
             // Async commits are counted by the commit callback.
             Ok(()) if matches!(mode, CommitMode::Sync) => {
-                self.metrics.offset_commits.with_label_values(&["ok"]).inc();
+                self.metrics.commit(CommitResult::Ok).inc();
             }
             Ok(()) => {}
             Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
@@ -228,7 +228,7 @@ pub(crate) async fn watch_mongodb(
         }
         let ping = tokio::time::timeout(timeouts.mongodb_ping, store.ping()).await;
         if ping.is_err() {
-            metrics.timeouts.with_label_values(&["mongodb_ping"]).inc();
+            metrics.timeout(TimeoutOperation::MongodbPing).inc();
         }
         let ok = matches!(ping, Ok(Ok(())));
         if health.mongodb_reachable.swap(ok, Ordering::Relaxed) != ok {

@@ -21,7 +21,7 @@ use crate::config::Settings;
 use crate::event::{self, Identity, Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::{self, DeadLetter};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
 use crate::retry::Backoff;
 use crate::throttle::Throttle;
 
@@ -150,9 +150,9 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
                 Err(e) => {
                     self.health.write_failed(e.readiness_reason());
                     if let Some(operation) = e.timeout_operation() {
-                        self.metrics.timeouts.with_label_values(&[operation]).inc();
+                        self.metrics.timeout(operation).inc();
                     }
-                    self.metrics.retries.with_label_values(&["mongodb"]).inc();
+                    self.metrics.retry(RetryKind::Mongodb).inc();
                     let wait = backoff.next_wait();
                     tracing::warn!(error = %error_chain(&e), retry_in = ?wait, "bucket write failed; retrying");
                     tokio::time::sleep(wait).await;
@@ -210,15 +210,9 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         error: Option<KafkaError>,
         backoff: &mut Backoff,
     ) {
-        self.metrics
-            .retries
-            .with_label_values(&["dead_letter"])
-            .inc();
+        self.metrics.retry(RetryKind::DeadLetter).inc();
         if error.as_ref().is_some_and(kafka::timed_out) {
-            self.metrics
-                .timeouts
-                .with_label_values(&["dead_letter"])
-                .inc();
+            self.metrics.timeout(TimeoutOperation::DeadLetter).inc();
         }
         let wait = backoff.next_wait();
         tracing::error!(
@@ -241,10 +235,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
             tracing::debug!(kind, error = %error, topic = %dl.topic, partition = dl.partition,
                 offset = dl.offset, "event dead-lettered");
         }
-        self.metrics
-            .events_dead_lettered
-            .with_label_values(&[kind])
-            .inc();
+        self.metrics.dead_lettered(dl.reject.kind).inc();
     }
 }
 

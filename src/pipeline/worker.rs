@@ -36,7 +36,7 @@ use super::{PipelineError, HOT_LOG_EVERY, IDLE_TICK};
 use crate::config::Settings;
 use crate::health::{now_ms, Health};
 use crate::kafka::{self, GroupEvent};
-use crate::metrics::Metrics;
+use crate::metrics::{ConsumerErrorKind, Metrics, SkipReason};
 use crate::offsets::{OffsetTracker, TopicPartition};
 use crate::ratelimit::RateLimit;
 use crate::throttle::Throttle;
@@ -407,21 +407,19 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// logged at error.
     fn consumer_error(&mut self, e: &KafkaError) {
         let kind = kafka::consumer_error_kind(e);
-        self.metrics
-            .consumer_errors
-            .with_label_values(&[kind])
-            .inc();
+        self.metrics.consumer_error(kind).inc();
         let admitted = self.consumer_error_log.admit(Instant::now());
         match (kind, admitted) {
-            ("fatal", _) => {
+            (ConsumerErrorKind::Fatal, _) => {
                 tracing::error!(error = %e, "fatal Kafka consumer error: stopping");
                 self.fatal = Some(e.to_string());
             }
-            ("offset_reset", _) => {
+            (ConsumerErrorKind::OffsetReset, _) => {
                 tracing::error!(error = %e, "Kafka consumer reset an offset (out of range)");
             }
-            ("skipped_records", _) => self.records_skipped(e),
+            (ConsumerErrorKind::SkippedRecords, _) => self.records_skipped(e),
             (_, Some(suppressed)) => {
+                let kind = kind.as_str();
                 tracing::warn!(error = %e, kind, suppressed, "Kafka consumer error");
             }
             (_, None) => {}
@@ -501,13 +499,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                 .observe(((now - ts).max(0) as f64) / 1000.0);
         }
         m.events_written.inc_by(counts.written);
-        let skipped = &m.events_skipped;
-        skipped
-            .with_label_values(&["already_applied"])
-            .inc_by(counts.applied);
-        skipped
-            .with_label_values(&["duplicate"])
-            .inc_by(counts.duplicates);
+        m.skipped(SkipReason::AlreadyApplied).inc_by(counts.applied);
+        m.skipped(SkipReason::Duplicate).inc_by(counts.duplicates);
         m.batch_events.observe(batch.len() as f64);
         m.batch_customers.observe(stats.customers as f64);
         m.buckets_created.inc_by(stats.buckets_created as u64);
