@@ -1,4 +1,5 @@
 use super::*;
+use chrono::{DateTime, FixedOffset};
 use proptest::prelude::*;
 
 fn src() -> Source {
@@ -413,7 +414,7 @@ fn nested(levels: usize, arrays: bool) -> String {
 
 #[test]
 fn extras_nest_only_as_deep_as_a_bucket_can_store() {
-    use crate::event::MAX_EXTRA_NESTING;
+    use crate::event::decode::MAX_EXTRA_NESTING;
     for arrays in [false, true] {
         let fits = ok(&with("note", Some(&nested(MAX_EXTRA_NESTING, arrays))));
         // Bucket, history, entry, then the value's own levels: 100.
