@@ -155,49 +155,8 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
                 println!("created topic {t}");
             }
         }
-        Command::Page { customer, page } => {
-            let customer = match parse_customer(&customer) {
-                Ok(c) => c,
-                Err(code) => return Ok(code),
-            };
-            match cli::page(&settings, &customer, page).await? {
-                Some(doc) => println!("{}", serde_json::to_string_pretty(&doc)?),
-                None => {
-                    eprintln!("customer {} has no page {page}", customer.id_text());
-                    return Ok(ExitCode::FAILURE);
-                }
-            }
-        }
-        Command::Audit { customer, json } => {
-            let customer = match customer.map(|c| parse_customer(&c)).transpose() {
-                Ok(c) => c,
-                Err(code) => return Ok(code),
-            };
-            let report = cli::audit(&settings, customer.as_ref()).await?;
-            if json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                println!(
-                    "audit: {} customers, {} buckets, {} trades, {} violations",
-                    report.customers,
-                    report.buckets,
-                    report.trades,
-                    report.violations.len()
-                );
-                if report.text_digit_customers > 0 {
-                    println!(
-                        "note: {} customers stored as text of digits (docs/operations.md#customer-ids-stored-as-text)",
-                        report.text_digit_customers
-                    );
-                }
-                for v in &report.violations {
-                    println!("violation: {v}");
-                }
-            }
-            if !report.violations.is_empty() {
-                return Ok(ExitCode::FAILURE);
-            }
-        }
+        Command::Page { customer, page } => return show_page(&settings, &customer, page).await,
+        Command::Audit { customer, json } => return audit(&settings, customer, json).await,
         Command::Produce(opts) => {
             let (topic, sent, secs) =
                 cli::produce(&settings, &opts, std::io::stderr().is_terminal()).await?;
@@ -215,4 +174,63 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
         Command::CheckConfig => unreachable!("handled before logging starts"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `tradebucket page`: the page as pretty JSON, or exit 1 if there is none.
+async fn show_page(settings: &Settings, customer: &str, page: u64) -> anyhow::Result<ExitCode> {
+    let customer = match parse_customer(customer) {
+        Ok(c) => c,
+        Err(code) => return Ok(code),
+    };
+    match cli::page(settings, &customer, page).await? {
+        Some(doc) => println!("{}", serde_json::to_string_pretty(&doc)?),
+        None => {
+            eprintln!("customer {} has no page {page}", customer.id_text());
+            return Ok(ExitCode::FAILURE);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tradebucket audit`: the report (text or `--json`); exit 1 on any
+/// violation.
+async fn audit(
+    settings: &Settings,
+    customer: Option<String>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let customer = match customer.map(|c| parse_customer(&c)).transpose() {
+        Ok(c) => c,
+        Err(code) => return Ok(code),
+    };
+    let report = cli::audit(settings, customer.as_ref()).await?;
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_audit(&report);
+    }
+    Ok(if report.violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_audit(report: &cli::AuditReport) {
+    println!(
+        "audit: {} customers, {} buckets, {} trades, {} violations",
+        report.customers,
+        report.buckets,
+        report.trades,
+        report.violations.len()
+    );
+    if report.text_digit_customers > 0 {
+        println!(
+            "note: {} customers stored as text of digits (docs/operations.md#customer-ids-stored-as-text)",
+            report.text_digit_customers
+        );
+    }
+    for v in &report.violations {
+        println!("violation: {v}");
+    }
 }

@@ -135,53 +135,16 @@ impl Metrics {
             buckets_created: counter(&r, BUCKETS_CREATED_TOTAL),
             bucket_updates: counter(&r, BUCKET_UPDATES_TOTAL),
             bucket_conflicts: counter(&r, BUCKET_CONFLICTS_TOTAL),
-            batch_events: histogram(
-                &r,
-                HistogramOpts::new("tradebucket_batch_events", "Events per batch.").buckets(
-                    vec![1.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0],
-                ),
-            ),
-            batch_customers: histogram(
-                &r,
-                HistogramOpts::new("tradebucket_batch_customers", "Distinct customers per batch.")
-                    .buckets(vec![1.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 5000.0, 10000.0]),
-            ),
-            mongodb_write_duration: histogram_vec(
-                &r,
-                HistogramOpts::new(
-                    "tradebucket_mongodb_request_duration_seconds",
-                    "Duration of MongoDB requests made by the writer, by operation: load (newest buckets), find_keys (where trade keys are stored), fill (appends), insert (new buckets).",
-                )
-                .buckets(vec![
-                    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                ]),
-                "operation",
-            ),
+            batch_events: histogram(&r, batch_events_opts()),
+            batch_customers: histogram(&r, batch_customers_opts()),
+            mongodb_write_duration: histogram_vec(&r, request_duration_opts(), "operation"),
             retries: counter_vec(&r, RETRIES_TOTAL, "kind"),
             timeouts: counter_vec(&r, TIMEOUTS_TOTAL, "operation"),
             consumer_errors: counter_vec(&r, CONSUMER_ERRORS_TOTAL, "kind"),
             offset_commits: counter_vec(&r, OFFSET_COMMITS_TOTAL, "result"),
             rebalances: counter_vec(&r, REBALANCES_TOTAL, "kind"),
-            consumer_lag: register(
-                &r,
-                IntGaugeVec::new(
-                    Opts::new(
-                        "tradebucket_consumer_lag_messages",
-                        "Messages between the partition's end and the group's committed offset.",
-                    ),
-                    &["topic", "partition"],
-                ),
-            ),
-            end_to_end_delay: histogram(
-                &r,
-                HistogramOpts::new(
-                    "tradebucket_end_to_end_delay_seconds",
-                    "From the Kafka message timestamp to its offset being committed.",
-                )
-                .buckets(vec![
-                    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                ]),
-            ),
+            consumer_lag: register(&r, consumer_lag_gauges()),
+            end_to_end_delay: histogram(&r, end_to_end_delay_opts()),
             in_flight_events: gauge(&r, IN_FLIGHT_EVENTS),
             assigned_partitions: gauge(&r, ASSIGNED_PARTITIONS),
             stalled_partitions: gauge(&r, STALLED_PARTITIONS),
@@ -192,8 +155,17 @@ impl Metrics {
             ),
             registry: r,
         };
+        m.register_build_and_process();
+        m.precreate_series();
+        m
+    }
+
+    /// `tradebucket_build_info{version}` at 1, and the standard process_*
+    /// series (resident memory, CPU seconds, open fds), read from /proc at
+    /// each scrape; Linux only.
+    fn register_build_and_process(&self) {
         let build_info: IntGaugeVec = register(
-            &m.registry,
+            &self.registry,
             IntGaugeVec::new(
                 Opts::new(
                     "tradebucket_build_info",
@@ -205,16 +177,12 @@ impl Metrics {
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
-        m.precreate_series();
-        // The standard process_* series (resident memory, CPU seconds,
-        // open fds), read from /proc at each scrape; Linux only.
         #[cfg(target_os = "linux")]
-        m.registry
+        self.registry
             .register(Box::new(
                 prometheus::process_collector::ProcessCollector::for_self(),
             ))
             .expect("process metric names are unique");
-        m
     }
 
     /// Pre-creates the label values operators alert on, so the series
@@ -284,6 +252,50 @@ impl Metrics {
             .expect("encoding to a Vec cannot fail");
         String::from_utf8(buf).expect("the text format is UTF-8")
     }
+}
+
+fn batch_events_opts() -> HistogramOpts {
+    HistogramOpts::new("tradebucket_batch_events", "Events per batch.").buckets(vec![
+        1.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0,
+    ])
+}
+
+fn batch_customers_opts() -> HistogramOpts {
+    HistogramOpts::new(
+        "tradebucket_batch_customers",
+        "Distinct customers per batch.",
+    )
+    .buckets(vec![1.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 5000.0, 10000.0])
+}
+
+fn request_duration_opts() -> HistogramOpts {
+    HistogramOpts::new(
+        "tradebucket_mongodb_request_duration_seconds",
+        "Duration of MongoDB requests made by the writer, by operation: load (newest buckets), find_keys (where trade keys are stored), fill (appends), insert (new buckets).",
+    )
+    .buckets(vec![
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    ])
+}
+
+fn end_to_end_delay_opts() -> HistogramOpts {
+    HistogramOpts::new(
+        "tradebucket_end_to_end_delay_seconds",
+        "From the Kafka message timestamp to its offset being committed.",
+    )
+    .buckets(vec![
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ])
+}
+
+fn consumer_lag_gauges() -> prometheus::Result<IntGaugeVec> {
+    IntGaugeVec::new(
+        Opts::new(
+            "tradebucket_consumer_lag_messages",
+            "Messages between the partition's end and the group's committed offset.",
+        ),
+        &["topic", "partition"],
+    )
 }
 
 /// Registers a metric built from constant names and help texts: both can

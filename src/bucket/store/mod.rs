@@ -164,17 +164,7 @@ impl BucketStore {
                 .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
                 .build(),
         );
-        let w = match m.write_concern {
-            WriteAcknowledgment::Majority => Acknowledgment::Majority,
-            WriteAcknowledgment::Nodes(n) => Acknowledgment::Nodes(n),
-        };
-        // wtimeout: a replica set that lost its majority answers with a
-        // write-concern error instead of holding the write without bound.
-        let write_concern = WriteConcern::builder()
-            .w(w)
-            .journal(m.journal)
-            .w_timeout(t.mongodb_write_concern)
-            .build();
+        let write_concern = write_concern(settings);
         Ok(BucketStore {
             client,
             db,
@@ -403,53 +393,10 @@ impl BucketStore {
                 limit: self.operation_limit,
             });
         };
-        match result {
-            Ok(_) => Ok(InsertOutcome::default()),
-            Err(e) => match *e.kind {
-                ErrorKind::InsertMany(ref failure) if failure.write_concern_error.is_none() => {
-                    match failure.write_errors.as_deref() {
-                        Some(errors) if errors.iter().any(|w| w.index >= docs_len) => {
-                            let bad = errors.iter().map(|w| w.index).max().unwrap_or(0);
-                            Err(malformed(
-                                format!("a write error's index is {bad}"),
-                                docs_len,
-                            ))
-                        }
-                        Some(errors) if !errors.is_empty() => Ok(InsertOutcome {
-                            errors: errors
-                                .iter()
-                                .map(|w| StatementError {
-                                    index: w.index,
-                                    code: w.code,
-                                    message: w.message.clone(),
-                                })
-                                .collect(),
-                        }),
-                        _ => Err(StoreError::Transient(e)),
-                    }
-                }
-                ErrorKind::Write(WriteFailure::WriteError(ref w)) => Ok(InsertOutcome {
-                    errors: vec![StatementError {
-                        index: 0,
-                        code: w.code,
-                        message: w.message.clone(),
-                    }],
-                }),
-                // Refused by the driver before anything was sent: every
-                // document is suspect, and the writer's isolation finds the
-                // one at fault.
-                ErrorKind::InvalidArgument { ref message, .. } => Ok(InsertOutcome {
-                    errors: (0..docs_len)
-                        .map(|index| StatementError {
-                            index,
-                            code: CLIENT_REFUSED,
-                            message: format!("the MongoDB driver refused the document: {message}"),
-                        })
-                        .collect(),
-                }),
-                _ => Err(StoreError::Transient(e)),
-            },
-        }
+        result.map_or_else(
+            |e| insert_failure(e, docs_len),
+            |_| Ok(InsertOutcome::default()),
+        )
     }
 
     /// Page `n` (1-based) of a customer's history: the manual's query,
@@ -486,6 +433,62 @@ impl BucketStore {
     {
         bounded("find", self.operation_limit, cursor.try_next()).await
     }
+}
+
+/// What an `insert_many` of `sent` documents that failed says: the
+/// refused documents, or an error (its outcome unknown) to retry.
+fn insert_failure(e: mongodb::error::Error, sent: usize) -> Result<InsertOutcome, StoreError> {
+    let refused = |index: usize, code: i32, message: String| StatementError {
+        index,
+        code,
+        message,
+    };
+    match *e.kind {
+        ErrorKind::InsertMany(ref failure) if failure.write_concern_error.is_none() => {
+            match failure.write_errors.as_deref() {
+                Some(errors) if errors.iter().any(|w| w.index >= sent) => {
+                    let bad = errors.iter().map(|w| w.index).max().unwrap_or(0);
+                    Err(malformed(format!("a write error's index is {bad}"), sent))
+                }
+                Some(errors) if !errors.is_empty() => Ok(InsertOutcome {
+                    errors: errors
+                        .iter()
+                        .map(|w| refused(w.index, w.code, w.message.clone()))
+                        .collect(),
+                }),
+                _ => Err(StoreError::Transient(e)),
+            }
+        }
+        ErrorKind::Write(WriteFailure::WriteError(ref w)) => Ok(InsertOutcome {
+            errors: vec![refused(0, w.code, w.message.clone())],
+        }),
+        // Refused by the driver before anything was sent: every document
+        // is suspect, and the writer's isolation finds the one at fault.
+        ErrorKind::InvalidArgument { ref message, .. } => {
+            let why = format!("the MongoDB driver refused the document: {message}");
+            Ok(InsertOutcome {
+                errors: (0..sent)
+                    .map(|i| refused(i, CLIENT_REFUSED, why.clone()))
+                    .collect(),
+            })
+        }
+        _ => Err(StoreError::Transient(e)),
+    }
+}
+
+/// `mongodb.write_concern` and `mongodb.journal`, with `wtimeout`: a replica
+/// set that lost its majority answers with a write-concern error instead of
+/// holding the write without bound.
+fn write_concern(settings: &Settings) -> WriteConcern {
+    let w = match settings.mongodb.write_concern {
+        WriteAcknowledgment::Majority => Acknowledgment::Majority,
+        WriteAcknowledgment::Nodes(n) => Acknowledgment::Nodes(n),
+    };
+    WriteConcern::builder()
+        .w(w)
+        .journal(settings.mongodb.journal)
+        .w_timeout(settings.timeouts.mongodb_write_concern)
+        .build()
 }
 
 /// The `writeConcern` field of a raw command.
