@@ -148,28 +148,39 @@ async fn every_path(sharded: bool, uri: &str, direct: bool) {
     let env = TestEnv::on(kafka_brokers(), uri, "commands", 1).await;
     let settings = audit_settings(&env, sharded);
     let recorder = Recorder::default();
-    let store = || async {
-        BucketStore::connect_with(&settings, Some(recorder.handler(&env.db)))
-            .await
-            .expect("MongoDB client")
-    };
-    let first = store().await;
+    let first = connect_recorded(&settings, &recorder, &env).await;
     first.init().await.expect("init");
     let coll = first.collection().name().to_string();
     // What the writer sends, not what `init` did.
     recorder.clear();
-    let new_writer = |store| BucketWriter::new(store, CAPACITY, 10_000, Metrics::new());
-    let mut w1 = new_writer(first.clone());
-    let topic = env.topic.clone();
-    let mut offset = 0;
-    let mut next = |id: &str, customer: Value| {
-        offset += 1;
-        event(id, customer, offset, &topic)
+    write_every_path(&settings, &recorder, &env, first.clone(), sharded).await;
+    // The control: `page` keeps the URI's read preference and concern.
+    first.page(&CustomerId::Int(1), 1).await.expect("page");
+    let all = recorder.all();
+    let sent = |name: &str| -> Vec<&Document> {
+        all.iter()
+            .filter(|(n, c)| n == name && c.get_str(name) == Ok(coll.as_str()))
+            .map(|(_, c)| c)
+            .collect()
     };
+    let filters = check_decisive_reads(&sent, direct);
+    check_writes_name_the_customer(&sent, &filters, sharded);
+    let report = audit(&env, sharded).await;
+    // Batch A holds 21 trades, one of them not stored unsharded.
+    assert_eq!(report.trades, 20 + u64::from(sharded) + 2 + 1 + 1 + 1);
+    env.cleanup().await;
+}
 
-    // Batch A: six trades each for customers 1-3 (a full bucket and a
-    // second one), customer 1's and 2's first trade share an id, and
-    // customer 7 as a number and as text.
+async fn connect_recorded(settings: &Settings, recorder: &Recorder, env: &TestEnv) -> BucketStore {
+    BucketStore::connect_with(settings, Some(recorder.handler(&env.db)))
+        .await
+        .expect("MongoDB client")
+}
+
+/// Batch A: six trades each for customers 1-3 (a full bucket and a second
+/// one), customer 1's and 2's first trade share an id, and customer 7 as a
+/// number and as text.
+fn batch_a(next: &mut impl FnMut(&str, Value) -> (Trade, Source)) -> Vec<(Trade, Source)> {
     let mut a = Vec::new();
     for c in 1..=3 {
         for j in 0..6 {
@@ -184,23 +195,47 @@ async fn every_path(sharded: bool, uri: &str, direct: bool) {
     a.push(next("n7-0", 7.into()));
     a.push(next("s7-0", "7".into()));
     a.push(next("n7-1", 7.into()));
-    let (outcomes, _) = write(&mut w1, &a).await;
+    a
+}
+
+/// Customer 2's second event of batch A shares customer 1's trade id:
+/// unsharded, a trade id is unique across customers, so it conflicts; every
+/// other event has `expected`.
+fn assert_batch_a(outcomes: &[Outcome], expected: Outcome, sharded: bool) {
     let shared_of_2 = 6;
     for (i, o) in outcomes.iter().enumerate() {
         if i == shared_of_2 && !sharded {
-            // Unsharded, a trade id is unique across customers.
             assert!(is_conflict(o), "{o:?}");
         } else {
-            assert_eq!(*o, Outcome::Written, "event {i}");
+            assert_eq!(*o, expected, "event {i}");
         }
     }
+}
 
+/// Every path of the writer once: fills from the cache, a missed guard, a
+/// duplicate key, and a cold writer below the watermark.
+async fn write_every_path(
+    settings: &Settings,
+    recorder: &Recorder,
+    env: &TestEnv,
+    first: BucketStore,
+    sharded: bool,
+) {
+    let new_writer = |store| BucketWriter::new(store, CAPACITY, 10_000, Metrics::new());
+    let mut w1 = new_writer(first);
+    let topic = env.topic.clone();
+    let mut offset = 0;
+    let mut next = |id: &str, customer: Value| {
+        offset += 1;
+        event(id, customer, offset, &topic)
+    };
+    let a = batch_a(&mut next);
+    assert_batch_a(&write(&mut w1, &a).await.0, Outcome::Written, sharded);
     // Customer 1 fills its open bucket from the cache: no read.
     let b = vec![next("b1-0", 1.into()), next("b1-1", 1.into())];
     assert_eq!(write(&mut w1, &b).await.0, vec![Outcome::Written; 2]);
-
     // Another writer appends to customer 2 behind w1's back ...
-    let mut w2 = new_writer(store().await);
+    let mut w2 = new_writer(connect_recorded(settings, recorder, env).await);
     let c = vec![next("c2-0", 2.into())];
     assert_eq!(write(&mut w2, &c).await.0, vec![Outcome::Written]);
     // ... so w1's fill misses its guard, and w1 reloads.
@@ -208,69 +243,56 @@ async fn every_path(sharded: bool, uri: &str, direct: bool) {
     let (outcomes, stats) = write(&mut w1, &d).await;
     assert_eq!(outcomes, vec![Outcome::Written]);
     assert_eq!((stats.rounds, stats.heads_loaded), (2, 1), "{stats:?}");
-
     // An upstream duplicate of a trade in customer 3's older bucket: the
     // unique key index refuses the fill, `find_keys` finds it.
     let e = vec![next("a3-0", 3.into()), next("e3-0", 3.into())];
     let (outcomes, stats) = write(&mut w1, &e).await;
     assert_eq!(outcomes, vec![Outcome::Duplicate, Outcome::Written]);
     assert_eq!(stats.conflicts, 1, "{stats:?}");
-
     // Batch A again, to a writer with a cold cache (as after a restart):
     // below the watermark and not in the newest buckets, so looked up.
-    let mut w3 = new_writer(store().await);
+    let mut w3 = new_writer(connect_recorded(settings, recorder, env).await);
     let (outcomes, stats) = write(&mut w3, &a).await;
-    for (i, o) in outcomes.iter().enumerate() {
-        if i == shared_of_2 && !sharded {
-            assert!(is_conflict(o), "{o:?}");
-        } else {
-            assert_eq!(*o, Outcome::AlreadyApplied, "event {i}");
-        }
-    }
+    assert_batch_a(&outcomes, Outcome::AlreadyApplied, sharded);
     let unstored = usize::from(!sharded);
     assert_eq!(stats.below_watermark_unstored, unstored, "{stats:?}");
+}
 
-    // The control: `page` keeps the URI's read preference and concern.
-    first.page(&CustomerId::Int(1), 1).await.expect("page");
+/// Whether a find filter looks trade keys up (at its top or in a branch).
+fn is_key_lookup(f: &Document) -> bool {
+    f.contains_key("history.key")
+        || f.get_array("$or").is_ok_and(|b| {
+            b.iter().any(|d| {
+                d.as_document()
+                    .is_some_and(|d| d.contains_key("history.key"))
+            })
+        })
+}
 
-    let all = recorder.all();
-    let sent = |name: &str| -> Vec<&Document> {
-        all.iter()
-            .filter(|(n, c)| n == name && c.get_str(name) == Ok(coll.as_str()))
-            .map(|(_, c)| c)
-            .collect()
-    };
+/// The reads that decide what is stored went to the primary at
+/// "majority"; the last find (the control, `page`) kept the URI's. Returns
+/// the decisive finds' filters.
+fn check_decisive_reads<'a>(
+    sent: &impl Fn(&str) -> Vec<&'a Document>,
+    direct: bool,
+) -> Vec<&'a Document> {
     let finds = sent("find");
     let (page, decisive) = finds.split_last().expect("finds were sent");
     let filters: Vec<&Document> = decisive
         .iter()
         .map(|f| f.get_document("filter").expect("a filter"))
         .collect();
-    // `load_heads`: the `_id`s in the prefix ranges, then the newest by `_id`.
-    let ranges = |f: &&Document| {
-        f.get_array("$or").is_ok_and(|b| {
-            b.iter()
-                .any(|d| d.as_document().is_some_and(|d| d.contains_key("_id")))
-        })
-    };
-    assert!(filters.iter().any(ranges), "load_heads");
-    let key_lookups = |f: &&&Document| {
-        f.contains_key("history.key")
-            || f.get_array("$or").is_ok_and(|b| {
-                b.iter().any(|d| {
-                    d.as_document()
-                        .is_some_and(|d| d.contains_key("history.key"))
-                })
-            })
-    };
-    assert!(filters.iter().filter(key_lookups).count() >= 2, "find_keys");
+    // `load_heads`: a customer's `_id` prefix range.
+    assert!(filters.iter().any(|f| f.contains_key("_id")), "load_heads");
+    assert!(
+        filters.iter().filter(|f| is_key_lookup(f)).count() >= 2,
+        "find_keys"
+    );
     for f in decisive.iter().chain(sent("aggregate").iter()) {
-        assert_eq!(
-            f.get_document("readConcern")
-                .and_then(|r| r.get_str("level")),
-            Ok("majority"),
-            "{f}"
-        );
+        let level = f
+            .get_document("readConcern")
+            .and_then(|r| r.get_str("level"));
+        assert_eq!(level, Ok("majority"), "{f}");
         // The driver spells "primary" as primaryPreferred to a server it
         // is directly connected to (the server-selection spec, so that a
         // direct connection to a secondary can read at all), and as
@@ -278,56 +300,59 @@ async fn every_path(sharded: bool, uri: &str, direct: bool) {
         let expected = direct.then(|| "primaryPreferred".to_string());
         assert_eq!(read_preference(f), expected, "{f}");
     }
-    assert_eq!(
-        page.get_document("readConcern")
-            .and_then(|r| r.get_str("level")),
-        Ok("local")
-    );
+    let level = page
+        .get_document("readConcern")
+        .and_then(|r| r.get_str("level"));
+    assert_eq!(level, Ok("local"));
     assert_eq!(read_preference(page).as_deref(), Some("secondaryPreferred"));
+    filters
+}
 
-    let updates: Vec<&Document> = sent("update")
-        .into_iter()
-        .flat_map(|u| u.get_array("updates").expect("updates"))
-        .map(|s| s.as_document().expect("a statement"))
-        .collect();
-    let inserted: Vec<&Document> = sent("insert")
-        .into_iter()
-        .flat_map(|i| i.get_array("documents").expect("documents"))
-        .map(|d| d.as_document().expect("a document"))
-        .collect();
+/// Every inserted bucket carries the customer; sharded, every filter and
+/// fill guard names it too, in one canonical form; unsharded, key lookups
+/// do not (a trade id is unique across customers).
+fn check_writes_name_the_customer<'a>(
+    sent: &impl Fn(&str) -> Vec<&'a Document>,
+    filters: &[&Document],
+    sharded: bool,
+) {
+    let statements = |command: &str, field: &str| -> Vec<&'a Document> {
+        let each = |c: &'a Document| c.get_array(field).expect("statements").iter();
+        let docs = sent(command).into_iter().flat_map(each);
+        docs.map(|s| s.as_document().expect("a document")).collect()
+    };
+    let updates = statements("update", "updates");
+    let inserted = statements("insert", "documents");
+    // Batch A opens two buckets for each of customers 1-3 and one for
+    // customer 7 (`7` and `"7"` are one customer); fills follow. (8 inserts
+    // were once sent sharded: the two spellings raced for one bucket.)
+    let (u, i) = (updates.len(), inserted.len());
     assert!(
-        updates.len() >= 4 && inserted.len() >= 8,
-        "fills and inserts"
+        u >= 4 && i >= 7,
+        "fills and inserts: {u} updates, {i} inserts"
     );
     for d in &inserted {
         assert!(d.contains_key("customerId"), "{d}");
     }
-    if sharded {
-        for f in &filters {
-            assert!(names_customer(f), "{f}");
-        }
-        for s in &updates {
-            let q = s.get_document("q").expect("q");
-            assert!(q.contains_key("customerId"), "{q}");
-        }
-        // Customer 7 has one shard key value: its canonical form.
-        for d in inserted
-            .iter()
-            .filter(|d| d.get_str("_id").unwrap().starts_with("7_"))
-        {
-            assert_eq!(d.get("customerId"), Some(&Bson::Int64(7)), "{d}");
-        }
-    } else {
-        assert!(filters
-            .iter()
-            .filter(key_lookups)
-            .all(|f| !names_customer(f)));
+    if !sharded {
+        let lookups = filters.iter().filter(|f| is_key_lookup(f));
+        assert!(lookups.clone().all(|f| !names_customer(f)));
+        return;
     }
-
-    let report = audit(&env, sharded).await;
-    // Batch A holds 21 trades, one of them not stored unsharded.
-    assert_eq!(report.trades, 20 + u64::from(sharded) + 2 + 1 + 1 + 1);
-    env.cleanup().await;
+    for f in filters {
+        assert!(names_customer(f), "{f}");
+    }
+    for s in &updates {
+        let q = s.get_document("q").expect("q");
+        assert!(q.contains_key("customerId"), "{q}");
+    }
+    // Customer 7 has one shard key value: its canonical form.
+    let sevens = inserted
+        .iter()
+        .filter(|d| d.get_str("_id").unwrap().starts_with("7_"));
+    for d in sevens {
+        assert_eq!(d.get("customerId"), Some(&Bson::Int64(7)), "{d}");
+    }
 }
 
 #[tokio::test]
