@@ -1,6 +1,7 @@
 //! Integration tests against real Kafka-protocol and MongoDB-protocol
 //! servers (`testkit::env` says which). One crate so they share one build.
 
+mod combined;
 mod commands;
 mod dlq;
 mod network;
