@@ -16,4 +16,5 @@ mod harness;
 mod hostile;
 mod network;
 mod scenarios;
+mod storm;
 mod verdict;
