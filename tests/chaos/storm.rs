@@ -160,7 +160,7 @@ async fn storm() {
     for seed in seeds() {
         let c = Conditions::draw(seed);
         eprintln!(
-            "storm seed {seed} (rerun: TRADEBUCKET_STORM_SEEDS={seed} cargo test --test chaos -- storm --exact): {c:?}"
+            "storm seed {seed} (rerun: TRADEBUCKET_STORM_SEEDS={seed} cargo test --test chaos -- storm::storm --exact): {c:?}"
         );
         run(c).await;
     }
