@@ -183,13 +183,21 @@ impl PrivateKafka {
             .as_ref()
             .map_or_else(|| url.clone(), |a| format!("tcp://{a}"));
         // The sqlite path is relative to the working directory (STACK.md).
+        // Its own log, appended across restarts: what a failed scenario
+        // shows of the broker (`PrivateKafka::log_tail`).
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("tansu.log"))
+            .expect("broker log file");
         let child = Command::new(Self::binary())
             .current_dir(&self.dir)
+            .env("RUST_LOG", "warn")
             .args(["broker", "--listener-url", &url])
             .args(["--advertised-listener-url", &advertised])
             .args(["--storage-engine", "sqlite://tansu.db"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .unwrap_or_else(|e| panic!("start {:?}: {e}", Self::binary()));
         self.child = Some(child);
@@ -214,6 +222,23 @@ impl PrivateKafka {
             .status()
             .expect("run scripts/stack index-kafka");
         assert!(status.success(), "index-kafka {db:?}: {status}");
+    }
+
+    /// Whether the broker answers a metadata request on its own port,
+    /// not through any proxy, within `timeout`.
+    pub fn answers_directly(&self, timeout: Duration) -> bool {
+        let probe: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .create()
+            .expect("client");
+        probe.fetch_metadata(None, timeout).is_ok()
+    }
+
+    /// The last `lines` lines of the broker's log (its warnings and errors).
+    pub fn log_tail(&self, lines: usize) -> Vec<String> {
+        let text = std::fs::read_to_string(self.dir.join("tansu.log")).unwrap_or_default();
+        let all: Vec<String> = text.lines().map(str::to_string).collect();
+        all[all.len().saturating_sub(lines)..].to_vec()
     }
 
     /// kill -9, and wait until the process is gone (the port is free).

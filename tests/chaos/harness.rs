@@ -578,6 +578,11 @@ pub struct Scenario {
     /// Scenario-specific checks that failed.
     pub failures: Vec<String>,
     pub notes: serde_json::Map<String, Value>,
+    /// Dead letters may repeat (same source position): what the product
+    /// promises when a partition moves or a worker dies between a dead
+    /// letter and its commit (docs/design.md, "Known limits"). Scenarios
+    /// without rebalances or crashes keep the exact count.
+    pub dead_letters_at_least_once: bool,
 }
 
 impl Scenario {
@@ -610,6 +615,7 @@ impl Scenario {
             exit_codes: Vec::new(),
             failures: Vec::new(),
             notes: serde_json::Map::new(),
+            dead_letters_at_least_once: false,
         }
     }
 

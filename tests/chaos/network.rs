@@ -278,6 +278,10 @@ async fn s11_kafka_black_hole() {
         &[
             ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT", session),
             ("TRADEBUCKET__SHUTDOWN__DRAIN_TIMEOUT", drain),
+            // librdkafka's broker and group lines in the worker's log, so a
+            // failed run shows what the client saw after the heal.
+            ("TRADEBUCKET__KAFKA__OPTIONS__DEBUG", "broker,cgrp"),
+            ("TRADEBUCKET__LOG__LEVEL", "info,librdkafka=debug"),
         ],
     )
     .await;
@@ -294,7 +298,21 @@ async fn s11_kafka_black_hole() {
     let mut placed = placed;
     placed.extend(produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[n / 2..]).await);
     after_heal(&mut s, prober, n, healed, "Kafka").await;
+    note_broker(&mut s, kafka.connections());
     s.finish(vec![w], &recs, &placed).await;
+}
+
+/// What the broker itself says after a failed heal: whether it answers a
+/// client that bypasses the proxy (a hung broker and a broken proxy look
+/// the same from the worker), and the tail of its own log.
+fn note_broker(s: &mut Scenario, proxy_connections: usize) {
+    s.note("kafka_proxy_connections", json!(proxy_connections));
+    if s.failures.is_empty() {
+        return;
+    }
+    let direct = s.stack.kafka.answers_directly(Duration::from_secs(10));
+    s.note("broker_answers_directly_after_heal", json!(direct));
+    s.note("broker_log_tail", json!(s.stack.kafka.log_tail(40)));
 }
 
 /// 12. Slow links: 50 ms each way to both servers. The first half of the
