@@ -252,14 +252,7 @@ async fn s4_database_outage() {
         .fleet
         .start_with(&[("TRADEBUCKET__HTTP__LISTEN", format!("127.0.0.1:{port}"))]);
     let readyz = format!("http://127.0.0.1:{port}/readyz");
-    let ready = |body: Option<(u16, String)>| matches!(body, Some((200, _)));
-    let was_ready = poll_until(
-        Duration::from_secs(60),
-        Duration::from_millis(200),
-        || async { ready(http_get(&readyz).await) },
-    )
-    .await;
-    if !was_ready {
+    if !ready_within(&readyz, 60).await {
         s.failures.push("never ready before the outage".into());
     }
     let target = (half as f64 * 0.3) as i64;
@@ -282,42 +275,71 @@ async fn s4_database_outage() {
         5,
         Duration::from_millis(500),
     );
-    // A batch acknowledged just before the stop may still commit; after
-    // that, nothing may.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let frozen = s.stack.committed_total();
-    let (probes, not_ready, reasons) = probe_readyz_until(&readyz, stopped + outage).await;
-    let committed_during = s.stack.committed_total() - frozen;
+    let seen = during_the_outage(&s, &readyz, stopped + outage).await;
     placed.extend(producer.await.expect("producer task"));
     s.stack.mongo.restart().await;
     let back = Instant::now();
     s.fault("database restarted on the same data".into());
-    let recovered = poll_until(
-        Duration::from_secs(120),
-        Duration::from_millis(200),
-        || async { ready(http_get(&readyz).await) },
-    )
+    let recovered = ready_within(&readyz, 120)
+        .await
+        .then(|| back.elapsed().as_secs_f64());
+    judge_the_outage(&mut s, seen, recovered);
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// What readiness and the commits did while the database was down.
+struct Outage {
+    probes: usize,
+    not_ready: usize,
+    reasons: std::collections::BTreeSet<String>,
+    committed_during: i64,
+}
+
+/// Whether `readyz` answers 200 within `secs`.
+async fn ready_within(readyz: &str, secs: u64) -> bool {
+    let every = Duration::from_millis(200);
+    poll_until(Duration::from_secs(secs), every, || async {
+        matches!(http_get(readyz).await, Some((200, _)))
+    })
     .await
-    .then(|| back.elapsed().as_secs_f64());
-    s.note("readyz_probes_during_outage", json!(probes));
-    s.note("readyz_not_ready_during_outage", json!(not_ready));
-    s.note("readyz_reasons", json!(reasons));
-    s.note("commits_during_outage", json!(committed_during));
-    s.note("seconds_to_ready_after_restart", json!(recovered));
-    if not_ready == 0 {
-        s.failures
-            .push("the worker never reported not-ready during the outage".into());
+}
+
+/// Probes readiness until `end` and counts the commits meanwhile. A batch
+/// acknowledged just before the stop may still commit; after that,
+/// nothing may.
+async fn during_the_outage(s: &Scenario, readyz: &str, end: Instant) -> Outage {
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let frozen = s.stack.committed_total();
+    let (probes, not_ready, reasons) = probe_readyz_until(readyz, end).await;
+    Outage {
+        probes,
+        not_ready,
+        reasons,
+        committed_during: s.stack.committed_total() - frozen,
     }
-    if committed_during != 0 {
+}
+
+/// Not ready during the outage, no commit during it, ready again after.
+fn judge_the_outage(s: &mut Scenario, seen: Outage, recovered: Option<f64>) {
+    s.note("readyz_probes_during_outage", json!(seen.probes));
+    s.note("readyz_not_ready_during_outage", json!(seen.not_ready));
+    s.note("readyz_reasons", json!(seen.reasons));
+    s.note("commits_during_outage", json!(seen.committed_during));
+    s.note("seconds_to_ready_after_restart", json!(recovered));
+    if seen.not_ready == 0 {
+        let why = "the worker never reported not-ready during the outage";
+        s.failures.push(why.into());
+    }
+    if seen.committed_during != 0 {
         s.failures.push(format!(
-            "{committed_during} offsets committed while the database was down"
+            "{} offsets committed while the database was down",
+            seen.committed_during
         ));
     }
     if recovered.is_none() {
-        s.failures
-            .push("not ready again within 120 s of the restart".into());
+        let why = "not ready again within 120 s of the restart";
+        s.failures.push(why.into());
     }
-    s.finish(vec![w], &recs, &placed).await;
 }
 
 /// 5. Poison: 5% bad events of fifteen kinds interleaved with good ones.
