@@ -441,19 +441,50 @@ async fn database_ceiling(
     concurrency: usize,
     cpu: &Cpu,
 ) -> anyhow::Result<DatabaseCeiling> {
-    let (trades, sources) = decode_all(&target.topic, messages)?;
+    let limits = plan::Limits::with_capacity(target.settings().buckets.capacity);
+    let docs = final_buckets(&target.topic, messages, limits)?;
+    let n_docs = docs.len();
+    let s = target
+        .clone()
+        .with_var("TRADEBUCKET__MONGODB__COLLECTION", "ceiling")
+        .settings();
+    let store = BucketStore::connect(&s).await?;
+    store.init().await?;
+    // The same encoded documents the worker would send.
+    let coll = store.collection().clone_with_type::<RawDocumentBuf>();
+    let chunks: Vec<Vec<RawDocumentBuf>> =
+        docs.chunks(1000).map(<[RawDocumentBuf]>::to_vec).collect();
+    drop(docs);
+    // Only the inserts count: planning and encoding above are the bench's.
+    let before = cpu.snapshot(None);
+    let started = Instant::now();
+    insert_all(&coll, chunks, concurrency, s.mongodb.journal).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(DatabaseCeiling {
+        seconds,
+        documents: n_docs,
+        indexes: index_keys(store.collection()).await?,
+        cpu: before.per_million(&cpu.snapshot(None), messages.len() as u64),
+    })
+}
+
+/// Every customer's trades as the final, full buckets one clean pass would
+/// leave, encoded as the worker encodes them.
+fn final_buckets(
+    topic: &str,
+    messages: &[Msg],
+    limits: plan::Limits,
+) -> anyhow::Result<Vec<RawDocumentBuf>> {
+    let (trades, sources) = decode_all(topic, messages)?;
     // Stream order per customer: by partition, then offset (keyed by
     // customer, so one partition each).
     let mut order: Vec<usize> = (0..trades.len()).collect();
     order.sort_by_key(|&i| (sources[i].partition, sources[i].offset));
     let mut per_customer: HashMap<String, Vec<usize>> = HashMap::new();
     for i in order {
-        per_customer
-            .entry(trades[i].customer.id_text())
-            .or_default()
-            .push(i);
+        let customer = trades[i].customer.id_text();
+        per_customer.entry(customer).or_default().push(i);
     }
-    let limits = plan::Limits::with_capacity(target.settings().buckets.capacity);
     let mut docs = Vec::new();
     for indices in per_customer.values() {
         let events: Vec<Event<'_>> = indices
@@ -471,35 +502,26 @@ async fn database_ceiling(
             docs.push(bucket_document(b, &ts));
         }
     }
-    let n_docs = docs.len();
-    let s = target
-        .clone()
-        .with_var("TRADEBUCKET__MONGODB__COLLECTION", "ceiling")
-        .settings();
-    let store = BucketStore::connect(&s).await?;
-    store.init().await?;
+    Ok(docs)
+}
+
+/// Unordered inserts of `chunks` at majority, `concurrency` at a time.
+async fn insert_all(
+    coll: &mongodb::Collection<RawDocumentBuf>,
+    chunks: Vec<Vec<RawDocumentBuf>>,
+    concurrency: usize,
+    journal: bool,
+) -> anyhow::Result<()> {
     let wc = WriteConcern::builder()
         .w(Acknowledgment::Majority)
-        .journal(s.mongodb.journal)
+        .journal(journal)
         .build();
-    // The same encoded documents the worker would send.
-    let coll = store.collection().clone_with_type::<RawDocumentBuf>();
-    let chunks: Vec<Vec<RawDocumentBuf>> =
-        docs.chunks(1000).map(<[RawDocumentBuf]>::to_vec).collect();
-    drop(docs);
-    // Only the inserts count: planning and encoding above are the bench's.
-    let before = cpu.snapshot(None);
-    let started = Instant::now();
     let mut pending = FuturesUnordered::new();
     for chunk in chunks {
-        let coll = coll.clone();
-        let wc = wc.clone();
+        let (coll, wc) = (coll.clone(), wc.clone());
         pending.push(async move {
-            coll.insert_many(chunk)
-                .ordered(false)
-                .write_concern(wc)
-                .await
-                .map(|_| ())
+            let insert = coll.insert_many(chunk).ordered(false).write_concern(wc);
+            insert.await.map(|_| ())
         });
         while pending.len() >= concurrency {
             if let Some(r) = pending.next().await {
@@ -510,13 +532,7 @@ async fn database_ceiling(
     while let Some(r) = pending.next().await {
         r?;
     }
-    let seconds = started.elapsed().as_secs_f64();
-    Ok(DatabaseCeiling {
-        seconds,
-        documents: n_docs,
-        indexes: index_keys(store.collection()).await?,
-        cpu: before.per_million(&cpu.snapshot(None), messages.len() as u64),
-    })
+    Ok(())
 }
 
 /// What the database ceiling measured.
