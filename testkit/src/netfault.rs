@@ -55,6 +55,9 @@ struct Controls {
     rng: Mutex<StdRng>,
     dropped_replies: AtomicUsize,
     connections: AtomicUsize,
+    /// [`Protocol::Tcp`] carrying Kafka: connections whose first request
+    /// names this `client.id` are never held by a black hole.
+    spared: Mutex<Option<String>>,
 }
 
 /// The proxy's address and its controls (cheap to clone).
@@ -81,6 +84,7 @@ impl FaultProxy {
             rng: Mutex::new(StdRng::seed_from_u64(17)),
             dropped_replies: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
+            spared: Mutex::new(None),
         });
         let (upstream, shared) = (upstream.to_string(), controls.clone());
         tokio::spawn(async move {
@@ -102,6 +106,13 @@ impl FaultProxy {
     /// connections are accepted and never answered.
     pub fn black_hole(&self) {
         self.controls.black_hole.send_replace(true);
+    }
+
+    /// Kafka only: black holes spare the connections of the client whose
+    /// `client.id` is `id` (read from each connection's first request), as
+    /// a partition that cuts one host off and not another.
+    pub fn spare_client(&self, id: &str) {
+        *self.controls.spared.lock().unwrap() = Some(id.to_string());
     }
 
     /// Ends a black hole: held traffic flows again, in order.
@@ -161,11 +172,22 @@ enum Item {
 /// Relays one client connection until either side closes, a reset, or a
 /// dropped reply cuts it. Connects upstream only once no black hole holds
 /// (a partitioned client never reaches the server).
-async fn connection(client: TcpStream, upstream: String, c: Arc<Controls>, protocol: Protocol) {
+async fn connection(mut client: TcpStream, upstream: String, c: Arc<Controls>, protocol: Protocol) {
     let reset = c.resets.lock().unwrap().clone();
+    // A Kafka client speaks first: its first request says who it is.
+    let first = match protocol {
+        Protocol::Tcp => first_chunk(&mut client).await,
+        Protocol::Mongo => Vec::new(),
+    };
+    let spared = c
+        .spared
+        .lock()
+        .unwrap()
+        .as_deref()
+        .is_some_and(|id| kafka_client_id(&first) == Some(id));
     let mut held = c.black_hole.subscribe();
     tokio::select! {
-        _ = held.wait_for(|on| !on) => {}
+        _ = held.wait_for(|on| spared || !on) => {}
         _ = reset.cancelled() => return cut(client),
     }
     let Ok(server) = TcpStream::connect(&upstream).await else {
@@ -175,19 +197,42 @@ async fn connection(client: TcpStream, upstream: String, c: Arc<Controls>, proto
     let (server_rx, server_tx) = server.into_split();
     let (up_tx, up_rx) = mpsc::unbounded_channel();
     let (down_tx, down_rx) = mpsc::unbounded_channel();
+    if !first.is_empty() {
+        let _ = up_tx.send(Item::Data(Instant::now(), first));
+    }
     let commands: Mutex<HashMap<i32, String>> = Mutex::default();
     let work = async {
         tokio::join!(
             read_side(client_rx, up_tx, &c, protocol, &commands, true),
             read_side(server_rx, down_tx, &c, protocol, &commands, false),
-            write_side(up_rx, server_tx, &c),
-            write_side(down_rx, client_tx, &c),
+            write_side(up_rx, server_tx, &c, spared),
+            write_side(down_rx, client_tx, &c, spared),
         )
     };
     tokio::select! {
         _ = work => {}
         _ = reset.cancelled() => {}
     }
+}
+
+/// The first bytes a client sends (empty if it closes first).
+async fn first_chunk(client: &mut TcpStream) -> Vec<u8> {
+    let mut buf = vec![0u8; 64 * 1024];
+    match client.read(&mut buf).await {
+        Ok(n) => {
+            buf.truncate(n);
+            buf
+        }
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The `client_id` of a Kafka request (header v1 and later: size, API
+/// key, version, correlation id, then the id as a length-prefixed string).
+fn kafka_client_id(request: &[u8]) -> Option<&str> {
+    let len = i16::from_be_bytes(request.get(12..14)?.try_into().ok()?);
+    let id = request.get(14..14 + usize::try_from(len).ok()?)?;
+    std::str::from_utf8(id).ok()
 }
 
 /// Drops `stream` with an RST rather than a FIN.
@@ -258,14 +303,19 @@ fn drops_reply(reply: &[u8], commands: &Mutex<HashMap<i32, String>>, c: &Control
 
 /// Writes queued chunks when due and no black hole holds them; a cut (or
 /// the reading side's end) resets the connection.
-async fn write_side(mut from: mpsc::UnboundedReceiver<Item>, mut to: OwnedWriteHalf, c: &Controls) {
+async fn write_side(
+    mut from: mpsc::UnboundedReceiver<Item>,
+    mut to: OwnedWriteHalf,
+    c: &Controls,
+    spared: bool,
+) {
     let mut held = c.black_hole.subscribe();
     while let Some(item) = from.recv().await {
         let Item::Data(due, bytes) = item else {
             break;
         };
         tokio::time::sleep_until(due).await;
-        if held.wait_for(|on| !on).await.is_err() || to.write_all(&bytes).await.is_err() {
+        if held.wait_for(|on| spared || !on).await.is_err() || to.write_all(&bytes).await.is_err() {
             break;
         }
     }

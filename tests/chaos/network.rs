@@ -255,16 +255,20 @@ async fn s10_mongodb_black_hole() {
 
 /// 11. Kafka black-holed for longer than the session timeout, then healed.
 ///
-/// Shaped around a quirk of the local broker (docs/testing.md): the heal
-/// closes the connections the hole held instead of delivering their bytes
-/// late. Tansu 0.6.0 takes a heartbeat of the member whose session expired
-/// in the hole (held, delivered after the heal) as the moment to remove
-/// it, but keeps it as the group's leader; no member can then complete a
-/// rebalance, and the worker is assigned nothing for good (seen in 7 of 10
-/// runs that delivered the held bytes). Apache Kafka answers such a
-/// heartbeat with UNKNOWN_MEMBER_ID and elects a leader among the members
-/// that rejoined.
+/// By hand only (`--ignored`): against the local broker it fails on a
+/// timing the product does not control. Tansu 0.6.0 removes a group's
+/// leader whose session expired but keeps it as the leader, and every
+/// JoinGroup after names the dead member: no rebalance completes and the
+/// worker is assigned nothing for good. Here the worker is the only member,
+/// so the leader is always the one that expires. Closing the held
+/// connections at the heal (`heal_closing`, so the expired member's late
+/// heartbeat never arrives) made it rarer, not impossible: 1 of 4 runs
+/// still stuck (issue #24; the librdkafka lines are in docs/testing.md).
+/// Apache Kafka elects a leader among the members that rejoined. The
+/// guarantee is shown reliably by `s11b_kafka_black_hole_while_another_member_leads`
+/// where it can be, and this scenario runs against a real Kafka by hand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "Tansu 0.6.0 keeps an expired leader (docs/testing.md, issue #24); run by hand"]
 async fn s11_kafka_black_hole() {
     let n = events(10_000, 100_000);
     // Reduced: a 10 s session (drain below it), a 20 s hole; full: the
@@ -346,4 +350,161 @@ async fn s12_slow_links() {
     eprintln!("[s12] normal links {normal:.0} events/s, 50 ms each way {slow:.0} events/s");
     prober.stop(&mut s);
     s.finish(vec![w], &recs, &placed).await;
+}
+
+/// The `client.id` of [`Leader`], which the Kafka proxy spares.
+const LEADER_ID: &str = "chaos-leader";
+
+/// A member of the worker's group, owned by the test, that joins first (so
+/// it leads the group) and is never cut off: the proxy spares its
+/// `client.id`. It polls to stay a member, never commits, and leaves when
+/// dropped, handing its partitions back.
+struct Leader {
+    assigned: Arc<AtomicUsize>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Leader {
+    fn join(env: &testkit::TestEnv, session: &str) -> Leader {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let consumer: BaseConsumer = rdkafka::config::ClientConfig::new()
+            .set("bootstrap.servers", &env.kafka)
+            .set("group.id", &env.group)
+            .set("client.id", LEADER_ID)
+            .set(
+                "session.timeout.ms",
+                (humantime::parse_duration(session).unwrap().as_millis()).to_string(),
+            )
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("leader consumer");
+        consumer
+            .subscribe(&[env.topic.as_str()])
+            .expect("subscribe");
+        let assigned = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (a, s) = (assigned.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let _ = consumer.poll(Duration::from_millis(100));
+                let n = consumer.assignment().map_or(0, |l| l.count());
+                a.store(n, Ordering::Relaxed);
+            }
+            consumer.unsubscribe();
+        });
+        Leader {
+            assigned,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn assigned(&self) -> usize {
+        self.assigned.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// 11b. The guarantee of scenario 11, where the local broker can show it:
+/// the worker is cut off from Kafka for longer than its session timeout
+/// while the group's leader, a member of the test's own, is not (as when a
+/// partition isolates one host of several). The worker's session expires,
+/// the leader takes every partition; after the heal the worker rejoins by
+/// itself, then the leader leaves and the worker takes everything and
+/// stores every trade once: the second half of the trades is produced after
+/// the heal and can only be stored by a worker that rejoined. With the
+/// leader never cut off, the local broker's expired-leader fault (scenario
+/// 11) cannot arise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s11b_kafka_black_hole_while_another_member_leads() {
+    let n = events(10_000, 100_000);
+    let (session, drain, hole) = pick(("10s", "5s", 20), ("30s", "10s", 45));
+    let name = "s11b-kafka-black-hole-not-leader";
+    let (stack, proxies) = Stack::start_behind_proxies(name, 4).await;
+    proxies.kafka.spare_client(LEADER_ID);
+    let mut all: Vec<(&str, &str)> = LIMITS.to_vec();
+    all.extend([
+        ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT", session),
+        ("TRADEBUCKET__SHUTDOWN__DRAIN_TIMEOUT", drain),
+    ]);
+    let title = "Kafka black-holed for one member past its session; another member leads";
+    let mut s = Scenario::on(stack, name, title, &all);
+    let recs = number(good_events(111, n, true));
+    let leader = Leader::join(&s.stack.env, session);
+    poll_until(Duration::from_secs(60), POLL, || async {
+        leader.assigned() > 0
+    })
+    .await;
+    let (w, prober, port) = start_worker_behind(&mut s, &proxies).await;
+    let mut placed = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[..n / 2]).await;
+    committed_share(&mut s, n, 0.05).await;
+    proxies.kafka.black_hole();
+    s.fault(format!(
+        "black-hole the worker's Kafka connections for {hole} s (session {session})"
+    ));
+    tokio::time::sleep(Duration::from_secs(hole)).await;
+    // The worker's own account: its partitions were revoked in the hole.
+    // (The local broker leaves an expired member's partitions unassigned
+    // until someone joins, so the leader's assignment does not show it.)
+    let revoked = revocations(port).await;
+    s.note("worker_revocations_in_the_hole", json!(revoked));
+    if revoked.unwrap_or(0) == 0 {
+        s.failures
+            .push("the worker's session did not expire in the hole".into());
+    }
+    proxies.kafka.heal_closing();
+    let healed = Instant::now();
+    s.fault("healed; the worker must rejoin; then the leader leaves".into());
+    placed.extend(produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[n / 2..]).await);
+    poll_until(Duration::from_secs(60), POLL, || async {
+        leader.assigned() < 4
+    })
+    .await;
+    s.note(
+        "seconds_to_rejoin_after_heal",
+        json!(healed.elapsed().as_secs_f64()),
+    );
+    drop(leader);
+    after_heal(&mut s, prober, n, healed, "Kafka").await;
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// `tradebucket_rebalances_total{kind="revoked"}` of the worker on `port`.
+async fn revocations(port: u16) -> Option<u64> {
+    let (_, body) = http_get(&format!("http://127.0.0.1:{port}/metrics")).await?;
+    let prefix = "tradebucket_rebalances_total{kind=\"revoked\"}";
+    let line = body.lines().find(|l| l.starts_with(prefix))?;
+    line.split_whitespace()
+        .nth(1)?
+        .parse::<f64>()
+        .ok()
+        .map(|v| v as u64)
+}
+
+/// One worker through the proxies, ready, and probed; and its HTTP port.
+async fn start_worker_behind(s: &mut Scenario, proxies: &Proxies) -> (WorkerProcess, Prober, u16) {
+    let port = free_port();
+    let mut vars = proxies.vars();
+    vars.push(("TRADEBUCKET__HTTP__LISTEN", format!("127.0.0.1:{port}")));
+    let w = s.fleet.start_with(&vars);
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    let ready = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async { matches!(http_get(&readyz).await, Some((200, _))) },
+    )
+    .await;
+    if !ready {
+        s.failures.push("never ready before the fault".into());
+    }
+    (w, Prober::start(port), port)
 }
