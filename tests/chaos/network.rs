@@ -131,21 +131,7 @@ async fn start(
     let mut s = Scenario::on(stack, name, title, &all);
     let recs = number(good_events(seed, n, true));
     let placed = produce(&s.stack.env.kafka, &s.stack.env.topic, &recs[..now]).await;
-    let port = free_port();
-    let mut vars = proxies.vars();
-    vars.push(("TRADEBUCKET__HTTP__LISTEN", format!("127.0.0.1:{port}")));
-    let w = s.fleet.start_with(&vars);
-    let readyz = format!("http://127.0.0.1:{port}/readyz");
-    let ready = poll_until(
-        Duration::from_secs(60),
-        Duration::from_millis(200),
-        || async { matches!(http_get(&readyz).await, Some((200, _))) },
-    )
-    .await;
-    if !ready {
-        s.failures.push("never ready before the fault".into());
-    }
-    let prober = Prober::start(port);
+    let (w, prober, _) = start_worker_behind(&mut s, &proxies).await;
     (s, proxies.kafka, proxies.mongo, recs, placed, w, prober)
 }
 
