@@ -17,6 +17,8 @@
 //! - [`ratelimit`]: the write-rate limit (events per second), pure.
 //! - [`dlq`]: `tradebucket dlq list|show|replay`: reading and replaying
 //!   the dead-letter topic.
+//! - [`reconcile`]: `tradebucket reconcile`: every record the group
+//!   committed past, checked against MongoDB and the dead letters.
 //! - [`cli`]: the operator commands besides `run` (init, page, audit,
 //!   produce, check-config).
 //!
@@ -34,5 +36,6 @@ pub mod metrics;
 pub mod offsets;
 pub mod pipeline;
 pub mod ratelimit;
+pub mod reconcile;
 pub mod retry;
 pub mod throttle;

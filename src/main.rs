@@ -14,6 +14,7 @@ use tradebucket::config::{LogFormat, Settings};
 use tradebucket::dlq::command::DlqCommand;
 use tradebucket::event::CustomerId;
 use tradebucket::pipeline;
+use tradebucket::reconcile::io::{self as reconcile, Report};
 
 /// sysexits EX_USAGE: what operators' tooling expects for bad configuration.
 const EXIT_CONFIG: u8 = 64;
@@ -64,6 +65,9 @@ enum Command {
     /// Read and replay the dead-letter topic.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Check every record the group committed past: stored once under its
+    /// customer, or dead-lettered; exits 1 on any problem.
+    Reconcile(reconcile::Options),
 }
 
 fn init_logging(settings: &Settings) {
@@ -171,6 +175,7 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
                 return Ok(ExitCode::FAILURE);
             }
         }
+        Command::Reconcile(opts) => return reconcile(&settings, &opts).await,
         Command::CheckConfig => unreachable!("handled before logging starts"),
     }
     Ok(ExitCode::SUCCESS)
@@ -232,5 +237,72 @@ fn print_audit(report: &cli::AuditReport) {
     }
     for v in &report.violations {
         println!("violation: {v}");
+    }
+}
+
+/// `tradebucket reconcile`: the report (text or `--json`); exit 1 on any
+/// problem.
+async fn reconcile(settings: &Settings, opts: &reconcile::Options) -> anyhow::Result<ExitCode> {
+    let report = reconcile::run(settings, opts, std::io::stderr().is_terminal()).await?;
+    if opts.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_reconcile(&report);
+    }
+    Ok(if report.clean() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_reconcile(r: &Report) {
+    let t = &r.total;
+    println!(
+        "reconcile: group {}, {} records in {} partitions: {} stored, {} upstream duplicates, \
+         {} dead-lettered ({} more than once), {} offsets without a record; {} problems",
+        r.group,
+        t.records,
+        r.partitions.len(),
+        t.stored,
+        t.upstream_duplicates,
+        t.dead_lettered,
+        t.dead_letters_repeated,
+        t.gaps,
+        t.problems
+    );
+    for p in &r.partitions {
+        let s = &p.span;
+        let mut line = format!("{}/{}: offsets {}..{}", s.topic, s.partition, s.from, s.to);
+        if let Some(low) = s.retained_from {
+            line += &format!(
+                " (retention kept records from offset {low} on: the answer holds from there)"
+            );
+        }
+        if s.uncommitted && s.from == s.to {
+            line += " (the group has committed nothing here)";
+        }
+        let c = &p.counts;
+        println!(
+            "  {line}: {} records, {} stored, {} upstream duplicates, {} dead-lettered, {} problems",
+            c.records, c.stored, c.upstream_duplicates, c.dead_lettered, c.problems
+        );
+    }
+    for (kind, n) in &r.problems_by_kind {
+        println!("problems {}: {n}", kind.as_str());
+    }
+    for p in &r.problems {
+        let key = p.key.as_deref().unwrap_or("(not a trade)");
+        println!(
+            "problem {} at {}/{}/{}: {key} {}",
+            p.kind.as_str(),
+            p.topic,
+            p.partition,
+            p.offset,
+            p.buckets.join(" ")
+        );
+    }
+    if r.replayed > 0 {
+        println!("replayed {} missing records to their topics", r.replayed);
     }
 }

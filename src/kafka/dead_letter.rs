@@ -16,7 +16,7 @@ use super::{
     H_ERROR_KIND, H_ERROR_MESSAGE, H_PAYLOAD_LENGTH, H_PAYLOAD_SHA256, H_SHORTENED,
     H_SOURCE_OFFSET, H_SOURCE_PARTITION, H_SOURCE_TOPIC,
 };
-use crate::event::{Reject, RejectKind, Source};
+use crate::event::{self, Identity, Reject, RejectKind, Source, Trade};
 
 /// The original position of a replayed dead letter, `<topic>/<partition>/<offset>`:
 /// `tradebucket dlq replay` sets it, the worker takes a trade without
@@ -54,6 +54,22 @@ pub fn replay_origin(headers: &[Header]) -> Result<Option<Source>, Reject> {
     parse_position(text)
         .map(Some)
         .ok_or_else(|| bad("is not <topic>/<partition>/<offset>"))
+}
+
+/// Decodes a record read at `source` by the worker's rules: a replayed dead
+/// letter (header [`H_REPLAY_OF`]) keeps its original identity, `source`
+/// stays where it was read. What the worker and `reconcile` both decode by.
+pub fn decode_record(
+    payload: Option<&[u8]>,
+    headers: &[Header],
+    source: &Source,
+    max_bytes: usize,
+) -> Result<Trade, Reject> {
+    let origin = replay_origin(headers)?;
+    let identity = origin
+        .as_ref()
+        .map_or(Identity::Read(source), Identity::ReplayOf);
+    event::decode_as(payload, identity, max_bytes)
 }
 
 /// `<topic>/<partition>/<offset>`: a legal topic name (which has no `/`),

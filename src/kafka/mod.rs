@@ -30,7 +30,8 @@ pub use clients::{
 };
 pub use context::{link_failure, ConsumerCtx, Producer, ScrubbedLogs};
 pub use dead_letter::{
-    position_text, replay_origin, send_dead_letter, DeadLetter, H_REPLAY_OF, OUR_HEADER_PREFIX,
+    decode_record, position_text, replay_origin, send_dead_letter, DeadLetter, H_REPLAY_OF,
+    OUR_HEADER_PREFIX,
 };
 
 /// Header names on dead-letter records.

@@ -18,7 +18,7 @@ use super::seams::{BucketSink, DeadLetterSink, Record};
 use super::{error_chain, HOT_LOG_EVERY};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
-use crate::event::{self, Identity, Reject, Source, Trade};
+use crate::event::{Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::{self, DeadLetter};
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
@@ -252,14 +252,7 @@ pub(super) fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
             partition: r.tp.1,
             offset: r.offset,
         };
-        // A replayed dead letter keeps its original identity; `source`
-        // (its real position) stays the watermark key.
-        let decoded = kafka::replay_origin(&r.headers).and_then(|origin| {
-            let identity = origin
-                .as_ref()
-                .map_or(Identity::Read(&source), Identity::ReplayOf);
-            event::decode_as(r.payload.as_deref(), identity, max_bytes)
-        });
+        let decoded = kafka::decode_record(r.payload.as_deref(), &r.headers, &source, max_bytes);
         match decoded {
             Ok(trade) => {
                 d.events.push((trade, source));

@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 directory = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "target/chaos")
-for path in sorted(directory.glob("s*.json")):
+for path in sorted(p for p in directory.glob("s*.json") if not p.stem.startswith("storm")):
     r = json.loads(path.read_text())
     print(f"### {r['scenario']}: {r['title']}\n")
     print(f"Size: {r['size']}; {r['seconds_total']} s in all, "
@@ -66,3 +66,41 @@ if fuzz.exists():
     f = json.loads(fuzz.read_text())
     print(f"### Decoder fuzz\n\n{f['inputs']} inputs ({f['accepted']} accepted as trades) "
           f"in {f['seconds']} s; failure: {f['failure'] or 'none'}.\n")
+
+
+def storm_verdict(r):
+    """The checks of Scenario::assert_verdict (dead letters at least once)."""
+    failed = list(r["failures"])
+    checks = [
+        ("lost", r["lost"] == 0),
+        ("doubled", r["duplicated"] == 0),
+        ("unexpected", r["unexpected"] == 0),
+        ("order", r["order_violations"] == 0),
+        ("stored", r["trades_stored"] == r["trades_expected"]),
+        ("audit", r["audit_exit_code"] == 0 and r["audit"].get("violations") == 0
+         and r["audit"].get("trades") == r["trades_expected"]),
+        ("dead letters", r["dead_letters_distinct"] == r["dead_letters_expected"]
+         and r["dead_letters_missing"] == 0 and r["dead_letters_wrong"] == 0),
+        ("offsets", r["committed_to_end"]),
+        ("exit codes", all(c == 0 for c in r["sigterm_exit_codes"])),
+    ]
+    failed += [name for name, ok in checks if not ok]
+    return "pass" if not failed else "FAIL: " + "; ".join(failed)
+
+
+storms = sorted(directory.glob("storm-*.json"),
+                key=lambda p: int(p.stem.split("-")[1]))
+if storms:
+    print("| seed | size | conditions drawn | events | distinct trades | lost | doubled "
+          "| dead letters (records / sent) | verdict |")
+    print("|---:|---|---|---:|---:|---:|---:|---|---|")
+    for path in storms:
+        r = json.loads(path.read_text())
+        seed = r["scenario"].split("-")[1]
+        drawn = r["notes"].get("drawn", r["notes"].get("conditions"))
+        verdict = storm_verdict(r)
+        print(f"| {seed} | {r['size']} | {drawn} | {r['events_produced']} "
+              f"| {r['trades_stored']} of {r['trades_expected']} | {r['lost']} "
+              f"| {r['duplicated']} | {r['dead_letters_distinct']} of "
+              f"{r['dead_letters_expected']} / {r['dead_letters_actual']} | {verdict} |")
+    print()

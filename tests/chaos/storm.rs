@@ -150,6 +150,46 @@ impl Conditions {
     }
 }
 
+impl Conditions {
+    /// One line for the table in docs/reliability.md (tests/chaos/render.py).
+    fn summary(&self) -> String {
+        let pct = |x: f64| format!("{:.0}%", x * 100.0);
+        let workers: Vec<String> = self
+            .workers
+            .iter()
+            .map(|w| format!("{}/{}", w.capacity, w.max_events))
+            .collect();
+        let faults: Vec<&str> = self.faults.iter().map(Fault::name).collect();
+        format!(
+            "{} partitions, keyed {}, {}, workers (capacity/batch) {}, dups {} same + {} cross, text ids {}, poison {}; {}",
+            self.partitions,
+            pct(self.keyed),
+            if self.hot { "hot" } else { "even" },
+            workers.join(" "),
+            pct(self.dup_same),
+            pct(self.dup_cross),
+            pct(self.text_ids),
+            pct(self.poison),
+            faults.join(", "),
+        )
+    }
+}
+
+impl Fault {
+    fn name(&self) -> &'static str {
+        match self {
+            Fault::Kill => "kill -9",
+            Fault::Restart => "restart",
+            Fault::Join => "join",
+            Fault::Leave => "leave",
+            Fault::DropReplies { .. } => "replies dropped",
+            Fault::MongoHole { .. } => "MongoDB hole",
+            Fault::KafkaHole { .. } => "Kafka hole",
+            Fault::BrokerRestart => "broker restart",
+        }
+    }
+}
+
 /// `TRADEBUCKET_STORM_SEEDS` (`1,2,10-19`), or the default seeds.
 fn seeds() -> Vec<u64> {
     let Ok(list) = std::env::var("TRADEBUCKET_STORM_SEEDS") else {
@@ -185,6 +225,7 @@ async fn run(c: Conditions) {
     let extra = [("TRADEBUCKET__KAFKA__SESSION_TIMEOUT", session.as_str())];
     let mut s = Scenario::on(stack, name, "The storm: conditions drawn per seed", &extra);
     s.note("conditions", json!(format!("{c:?}")));
+    s.note("drawn", json!(c.summary()));
     // Rebalances and kills are drawn: a dead letter sent before a partition
     // moved, or before a crash, is sent again by the next owner.
     s.dead_letters_at_least_once = true;

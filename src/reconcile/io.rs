@@ -1,0 +1,529 @@
+//! Reconcile over Kafka and MongoDB: the spans from the group's committed
+//! offsets, each partition streamed once (never more than one lookup batch
+//! held), its trades looked up in MongoDB at read concern majority
+//! ([`BucketStore::find_keys`]: in sharded mode with the customer in every
+//! filter), and the missing records put back on their topic if asked.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
+
+use super::{keys_of, span, Counts, Ledger, Problem, ProblemKind, Span, Start, TradeSeen, Verdict};
+use crate::bucket::store::{BucketStore, StoreError};
+use crate::config::Settings;
+use crate::dlq::io::{self as dlq_io, DlqError};
+use crate::dlq::Replay;
+use crate::event::{CustomerId, Source};
+use crate::kafka::headers::{self, Header};
+use crate::kafka::{self, ScrubbedLogs, SetupError, H_REPLAY_OF, OUR_HEADER_PREFIX};
+use crate::ratelimit::RateLimit;
+
+/// Trades looked up in MongoDB per query (two keys each at most).
+const LOOKUP_BATCH: usize = 1_000;
+
+/// How long one poll waits for a record.
+const POLL: Duration = Duration::from_millis(200);
+
+/// `tradebucket reconcile`'s flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Options {
+    /// Start at the first record at or after this time: RFC 3339 or an age (24h).
+    #[arg(long, value_parser = crate::dlq::parse_time, conflicts_with = "from")]
+    pub since: Option<DateTime<Utc>>,
+    /// Start at these offsets, as PARTITION:OFFSET (comma-separated or
+    /// repeated), in every source topic; only these partitions are checked.
+    #[arg(long, value_delimiter = ',', value_parser = crate::dlq::parse_at)]
+    pub from: Vec<(i32, i64)>,
+    /// Check up to the end of each partition, not only what the group
+    /// has committed past (records not yet handled are reported missing).
+    #[arg(long)]
+    pub to_end: bool,
+    /// Put the missing records back on their topic with the replay
+    /// identity `dlq replay` gives, so the running worker stores each once.
+    #[arg(long)]
+    pub replay_missing: bool,
+    /// Records read per second at most (0: no limit), to spare the brokers
+    /// and MongoDB; also the rate of replays.
+    #[arg(long, default_value_t = 20_000)]
+    pub rate: u64,
+    /// Fail if the dead-letter topics are not read to their end within this long.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+    /// Print the report as JSON (same exit code).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("Kafka: {0}")]
+    Kafka(#[from] KafkaError),
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    #[error("MongoDB: {0}")]
+    Store(#[from] StoreError),
+    #[error("dead-letter topic: {0}")]
+    Dlq(#[from] DlqError),
+    #[error("topic {0} does not exist")]
+    NoTopic(String),
+    #[error("{topic} partition {partition}: no record arrived for {limit:?} at offset {at} (reading up to {to})")]
+    Stalled {
+        topic: String,
+        partition: i32,
+        at: i64,
+        to: i64,
+        limit: Duration,
+    },
+}
+
+/// One partition's counts.
+#[derive(Debug, Clone, Serialize)]
+pub struct PartitionReport {
+    #[serde(flatten)]
+    pub span: Span,
+    #[serde(flatten)]
+    pub counts: Counts,
+}
+
+/// What reconcile found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub group: String,
+    pub dead_letter_topics: Vec<String>,
+    pub partitions: Vec<PartitionReport>,
+    pub total: Counts,
+    pub problems_by_kind: BTreeMap<ProblemKind, u64>,
+    /// The first [`super::LISTED_PROBLEMS`] problems.
+    pub problems: Vec<Problem>,
+    /// Missing records put back on their topic (`--replay-missing`).
+    pub replayed: u64,
+}
+
+impl Report {
+    /// Every record accounted for.
+    pub fn clean(&self) -> bool {
+        self.total.problems == 0
+    }
+}
+
+/// Reconciles every partition of the source topics; `progress` shows on a
+/// terminal.
+pub async fn run(
+    settings: &Settings,
+    opts: &Options,
+    progress: bool,
+) -> Result<Report, ReconcileError> {
+    let dead_letter_topics = dlq_io::default_topics(settings);
+    let mut ledger = Ledger::new(dead_letter_sources(settings, &dead_letter_topics, opts)?);
+    // The worker's own group: its committed offsets are read, never
+    // written; the client joins nothing.
+    let client = kafka::reader_client(settings, &settings.kafka.group_id)?;
+    let spans = spans(&client, settings, opts)?;
+    let total: i64 = spans.iter().map(|s| s.to - s.from).sum();
+    let mut check = Check {
+        settings,
+        store: BucketStore::connect(settings).await?,
+        ledger: &mut ledger,
+        limit: RateLimit::new(opts.rate),
+        replay: opts.replay_missing,
+        rate: opts.rate,
+        replayed: 0,
+        bar: crate::cli::progress_bar(progress, total.max(0) as u64, "records"),
+    };
+    for span in &spans {
+        check.span(&client, span).await?;
+    }
+    check.bar.finish_and_clear();
+    let replayed = check.replayed;
+    Ok(report(
+        settings,
+        dead_letter_topics,
+        spans,
+        ledger,
+        replayed,
+    ))
+}
+
+fn report(
+    settings: &Settings,
+    dead_letter_topics: Vec<String>,
+    spans: Vec<Span>,
+    ledger: Ledger,
+    replayed: u64,
+) -> Report {
+    let partitions = spans
+        .into_iter()
+        .map(|span| {
+            let key = (span.topic.clone(), span.partition);
+            let counts = ledger.counts.get(&key).cloned().unwrap_or_default();
+            PartitionReport { span, counts }
+        })
+        .collect();
+    Report {
+        group: settings.kafka.group_id.clone(),
+        dead_letter_topics,
+        partitions,
+        total: ledger.total(),
+        problems_by_kind: ledger.by_kind.clone(),
+        problems: ledger.problems,
+        replayed,
+    }
+}
+
+/// Where every dead letter's record was read, and the position a replay
+/// of it would carry (so a bad record put back and dead-lettered again
+/// still answers for its first position). A dead-letter topic that does
+/// not exist holds none.
+fn dead_letter_sources(
+    settings: &Settings,
+    topics: &[String],
+    opts: &Options,
+) -> Result<Vec<Source>, ReconcileError> {
+    let mut sources = Vec::new();
+    for topic in topics {
+        let read = dlq_io::read_topic(settings, topic, opts.timeout, |letter| {
+            if letter.identity != letter.source {
+                sources.extend(letter.identity);
+            }
+            sources.extend(letter.source);
+        });
+        match read {
+            Ok(()) | Err(DlqError::NoTopic(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(sources)
+}
+
+/// The span of every partition of the source topics (with `--from`, of
+/// the partitions it names).
+fn spans(
+    client: &BaseConsumer<ScrubbedLogs>,
+    settings: &Settings,
+    opts: &Options,
+) -> Result<Vec<Span>, ReconcileError> {
+    let limit = settings.timeouts.kafka_request;
+    let mut out = Vec::new();
+    for topic in &settings.kafka.topics {
+        let partitions = partitions_of(client, topic, limit)?;
+        let starts = starts(client, topic, &partitions, opts, limit)?;
+        let committed = committed(client, topic, &partitions, limit)?;
+        for (p, start) in starts {
+            let watermarks = client.fetch_watermarks(topic, p, limit)?;
+            let c = committed.get(&p).copied();
+            out.push(span((topic, p), watermarks, c, start, opts.to_end));
+        }
+    }
+    Ok(out)
+}
+
+fn partitions_of(
+    client: &BaseConsumer<ScrubbedLogs>,
+    topic: &str,
+    limit: Duration,
+) -> Result<Vec<i32>, ReconcileError> {
+    let metadata = client.fetch_metadata(Some(topic), limit)?;
+    let partitions: Vec<i32> = metadata
+        .topics()
+        .iter()
+        .filter(|t| t.name() == topic && t.error().is_none())
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect();
+    if partitions.is_empty() {
+        return Err(ReconcileError::NoTopic(topic.to_string()));
+    }
+    Ok(partitions)
+}
+
+/// Where each partition's check starts, as the flags ask.
+fn starts(
+    client: &BaseConsumer<ScrubbedLogs>,
+    topic: &str,
+    partitions: &[i32],
+    opts: &Options,
+    limit: Duration,
+) -> Result<Vec<(i32, Start)>, ReconcileError> {
+    if !opts.from.is_empty() {
+        return Ok(opts
+            .from
+            .iter()
+            .filter(|(p, _)| partitions.contains(p))
+            .map(|&(p, o)| (p, Start::At(o)))
+            .collect());
+    }
+    let Some(since) = opts.since else {
+        return Ok(partitions.iter().map(|&p| (p, Start::Earliest)).collect());
+    };
+    let mut query = TopicPartitionList::new();
+    for &p in partitions {
+        query.add_partition_offset(topic, p, Offset::Offset(since.timestamp_millis()))?;
+    }
+    let answer = client.offsets_for_times(query, limit)?;
+    let mut out = Vec::new();
+    for e in answer.elements() {
+        let start = match e.offset() {
+            Offset::Offset(o) => Start::At(o),
+            // No record at or after `since`: from the end, nothing.
+            _ => Start::At(client.fetch_watermarks(topic, e.partition(), limit)?.1),
+        };
+        out.push((e.partition(), start));
+    }
+    Ok(out)
+}
+
+/// The group's committed offset of each partition that has one.
+fn committed(
+    client: &BaseConsumer<ScrubbedLogs>,
+    topic: &str,
+    partitions: &[i32],
+    limit: Duration,
+) -> Result<HashMap<i32, i64>, ReconcileError> {
+    let mut tpl = TopicPartitionList::new();
+    for &p in partitions {
+        tpl.add_partition(topic, p);
+    }
+    let answer = client.committed_offsets(tpl, limit)?;
+    Ok(answer
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) => Some((e.partition(), o)),
+            _ => None,
+        })
+        .collect())
+}
+
+/// One record read, kept until its lookup batch is judged.
+struct Read {
+    at: Source,
+    key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    headers: Vec<Header>,
+    /// Its customer and key, if it is a trade.
+    trade: Option<(CustomerId, String)>,
+}
+
+/// The state of one reconcile run.
+struct Check<'a> {
+    settings: &'a Settings,
+    store: BucketStore,
+    ledger: &'a mut Ledger,
+    limit: RateLimit,
+    replay: bool,
+    rate: u64,
+    replayed: u64,
+    bar: indicatif::ProgressBar,
+}
+
+impl Check<'_> {
+    /// Streams `span`, one lookup batch at a time.
+    async fn span(
+        &mut self,
+        client: &BaseConsumer<ScrubbedLogs>,
+        span: &Span,
+    ) -> Result<(), ReconcileError> {
+        if span.from >= span.to {
+            return Ok(());
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&span.topic, span.partition, Offset::Offset(span.from))?;
+        client.assign(&tpl)?;
+        let mut reader = SpanReader::new(span, self.settings.timeouts.kafka_request);
+        let mut batch = Vec::with_capacity(LOOKUP_BATCH);
+        while let Some(m) = reader.next(client)? {
+            batch.push(self.read(m));
+            if batch.len() == LOOKUP_BATCH {
+                self.judge(std::mem::take(&mut batch)).await?;
+            }
+        }
+        self.judge(batch).await?;
+        self.ledger.gaps(&span.topic, span.partition, reader.gaps);
+        self.bar.inc(reader.gaps);
+        Ok(())
+    }
+
+    fn read(&self, m: BorrowedMessage<'_>) -> Read {
+        let at = Source {
+            topic: m.topic().to_string(),
+            partition: m.partition(),
+            offset: m.offset(),
+        };
+        let headers = headers::read(m.headers());
+        let max = self.settings.kafka.max_message_bytes;
+        let trade = kafka::decode_record(m.payload(), &headers, &at, max)
+            .ok()
+            .map(|t| (t.customer, t.key));
+        Read {
+            at,
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().map(<[u8]>::to_vec),
+            headers,
+            trade,
+        }
+    }
+
+    /// Looks the batch's trades up, gives each record its verdict, and
+    /// replays the missing ones if asked.
+    async fn judge(&mut self, batch: Vec<Read>) -> Result<(), ReconcileError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        tokio::time::sleep(self.limit.reserve(batch.len(), tokio::time::Instant::now())).await;
+        let keys: Vec<Vec<String>> = batch
+            .iter()
+            .map(|r| r.trade.as_ref().map_or_else(Vec::new, |(_, k)| keys_of(k)))
+            .collect();
+        let found = self.lookup(&batch, &keys).await?;
+        let mut missing = Vec::new();
+        for (r, keys) in batch.iter().zip(&keys) {
+            let verdict = match &r.trade {
+                None => self.ledger.bad(&r.at),
+                Some((customer, _)) => {
+                    let buckets: Vec<String> = keys
+                        .iter()
+                        .flat_map(|k| found.get(k.as_str()).into_iter().flatten().cloned())
+                        .collect();
+                    self.ledger.trade(&TradeSeen {
+                        at: &r.at,
+                        customer,
+                        keys,
+                        buckets: &buckets,
+                    })
+                }
+            };
+            if verdict == Verdict::Problem(ProblemKind::Missing) {
+                missing.push(replay_of(r));
+            }
+        }
+        self.bar.inc(batch.len() as u64);
+        if self.replay && !missing.is_empty() {
+            let hidden = indicatif::ProgressBar::hidden();
+            self.replayed += dlq_io::replay(self.settings, &missing, self.rate, &hidden).await?;
+        }
+        Ok(())
+    }
+
+    /// Every bucket holding each key the batch's trades may be stored
+    /// under.
+    async fn lookup(
+        &self,
+        batch: &[Read],
+        keys: &[Vec<String>],
+    ) -> Result<HashMap<String, Vec<String>>, ReconcileError> {
+        let wanted: Vec<(CustomerId, String)> = batch
+            .iter()
+            .zip(keys)
+            .filter_map(|(r, keys)| Some((&r.trade.as_ref()?.0, keys)))
+            .flat_map(|(c, keys)| keys.iter().map(move |k| (c.clone(), k.clone())))
+            .collect();
+        let mut found: HashMap<String, Vec<String>> = HashMap::new();
+        for (key, bucket) in self.store.find_keys(&wanted).await? {
+            found.entry(key).or_default().push(bucket);
+        }
+        Ok(found)
+    }
+}
+
+/// The record as `dlq replay` would send it: its key, payload and headers
+/// (ours left out), and `tradebucket.replay.of` naming the position it was
+/// first read at (its own replay identity if it was a replay already).
+fn replay_of(r: &Read) -> Replay {
+    let identity = kafka::replay_origin(&r.headers)
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| r.at.clone());
+    let mut headers: Vec<Header> = r
+        .headers
+        .iter()
+        .filter(|(n, _)| !n.starts_with(OUR_HEADER_PREFIX))
+        .cloned()
+        .collect();
+    let position = kafka::position_text(&identity);
+    headers.push((H_REPLAY_OF.as_bytes().to_vec(), Some(position.into_bytes())));
+    Replay {
+        topic: r.at.topic.clone(),
+        key: r.key.clone(),
+        payload: r.payload.clone(),
+        headers,
+        identity,
+    }
+}
+
+/// Reads one assigned partition from `span.from` up to `span.to`,
+/// counting the offsets without a record.
+struct SpanReader<'s> {
+    span: &'s Span,
+    next: i64,
+    gaps: u64,
+    limit: Duration,
+    progress_at: Instant,
+}
+
+impl<'s> SpanReader<'s> {
+    fn new(span: &'s Span, limit: Duration) -> Self {
+        SpanReader {
+            span,
+            next: span.from,
+            gaps: 0,
+            limit,
+            progress_at: Instant::now(),
+        }
+    }
+
+    /// The next record of the span, `None` at its end; fails when nothing
+    /// moves for the time limit of a Kafka request.
+    fn next<'c>(
+        &mut self,
+        client: &'c BaseConsumer<ScrubbedLogs>,
+    ) -> Result<Option<BorrowedMessage<'c>>, ReconcileError> {
+        while self.next < self.span.to {
+            match client.poll(POLL) {
+                Some(Ok(m)) if m.partition() == self.span.partition => {
+                    self.progress_at = Instant::now();
+                    let at = m.offset().min(self.span.to);
+                    self.gaps += (at - self.next).max(0) as u64;
+                    self.next = m.offset() + 1;
+                    if m.offset() < self.span.to {
+                        return Ok(Some(m));
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => tracing::warn!(error = %e, "reading the source topic"),
+                // Offsets Kafka leaves without a record (transaction
+                // markers, compaction) never arrive: the position says
+                // where the read is.
+                None => self.advance(client)?,
+            }
+            if self.progress_at.elapsed() > self.limit {
+                return Err(ReconcileError::Stalled {
+                    topic: self.span.topic.clone(),
+                    partition: self.span.partition,
+                    at: self.next,
+                    to: self.span.to,
+                    limit: self.limit,
+                });
+            }
+        }
+        Ok(None)
+    }
+
+    fn advance(&mut self, client: &BaseConsumer<ScrubbedLogs>) -> Result<(), ReconcileError> {
+        for e in client.position()?.elements() {
+            if let Offset::Offset(at) = e.offset() {
+                let at = at.min(self.span.to);
+                if e.partition() == self.span.partition && at > self.next {
+                    self.gaps += (at - self.next) as u64;
+                    self.next = at;
+                    self.progress_at = Instant::now();
+                }
+            }
+        }
+        Ok(())
+    }
+}
