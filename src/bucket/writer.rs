@@ -4,7 +4,8 @@
 //! one round's plans and which of them held (both in `writer/round.rs`).
 //! Each round:
 //!
-//! 1. `load_missing` / `verify_below_watermark`: read what the cache lacks;
+//! 1. `verify_cached_keys` / `load_missing` / `verify_below_watermark`:
+//!    check what the cache would settle alone, read what it lacks;
 //! 2. `plan`: plan every pending customer, settle what needs no write;
 //! 3. `fill`: every customer's append to its open bucket, one command;
 //! 4. `insert_firsts`: every customer's first new bucket, one unordered
@@ -17,7 +18,10 @@
 //! The writer keeps each customer's newest bucket in a bounded LRU cache
 //! while we own its partitions, so the steady state costs no reads. The
 //! cache is an optimisation only: every write is guarded (see
-//! [`super::plan`]), so a stale entry costs a reload, never a wrong write.
+//! [`super::plan`]), so a stale entry costs a reload, never a wrong write;
+//! and an event the cached keys alone would settle without a write (a
+//! duplicate, already applied) is looked up once (`verify_cached_keys`), so
+//! buckets deleted or restored by hand never make the worker skip a trade.
 
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroUsize;
@@ -142,6 +146,7 @@ impl<S: BucketDb> BucketWriter<S> {
                     batch.pending.len()
                 )));
             }
+            self.verify_cached_keys(batch).await?;
             self.load_missing(batch).await?;
             self.verify_below_watermark(batch).await?;
             let mut round = self.plan(batch);
@@ -193,6 +198,7 @@ impl<S: BucketDb> BucketWriter<S> {
         let heads = self.store.load_heads(missing).await?;
         timer.observe_duration();
         for (customer, head) in heads {
+            batch.loaded.insert(customer.clone());
             match head {
                 Ok(head) => {
                     self.cache.put(customer, head);
@@ -203,6 +209,68 @@ impl<S: BucketDb> BucketWriter<S> {
             }
         }
         Ok(())
+    }
+
+    /// An event whose key the cached newest bucket holds is settled
+    /// without a write (a duplicate, or already applied). Keys are never
+    /// removed by the product, but an operator can delete or restore
+    /// buckets while it runs (and then replay what reconcile found
+    /// missing): so such keys of a head this call did not read are looked
+    /// up once per batch, and a customer whose cached keys are gone from
+    /// MongoDB has its head dropped and read again. Costs one query, only
+    /// for a batch holding such events (redeliveries, upstream copies).
+    async fn verify_cached_keys(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
+        let asked = self.cached_keys_unverified(batch);
+        if asked.is_empty() {
+            return Ok(());
+        }
+        let keys = keys_of(batch.events, &asked);
+        let timer = self.timer(WriteOperation::FindKeys);
+        let found = self.store.find_keys(&keys).await?;
+        timer.observe_duration();
+        let stored = stored_in_own_bucket(batch.events, &asked, &found);
+        let mut stale: HashSet<&CustomerId> = HashSet::new();
+        for &i in asked.values().flatten() {
+            if !stored.contains(&i) {
+                stale.insert(&batch.events[i].0.customer);
+            }
+        }
+        if !stale.is_empty() {
+            tracing::warn!(
+                customers = stale.len(),
+                "trades the cached newest bucket holds are not in MongoDB (buckets deleted or \
+                 restored while the worker ran?): reading those customers' buckets again"
+            );
+        }
+        for customer in stale {
+            self.cache.pop(customer);
+        }
+        Ok(())
+    }
+
+    /// The pending events whose key their customer's cached head (not read
+    /// by this call) holds and that no earlier round looked up, by key.
+    fn cached_keys_unverified<'e>(&self, batch: &mut Batch<'e>) -> HashMap<&'e str, Vec<usize>> {
+        let events = batch.events;
+        let mut asked: HashMap<&'e str, Vec<usize>> = HashMap::new();
+        for (customer, idx) in &batch.pending {
+            if batch.loaded.contains(customer) {
+                continue;
+            }
+            let Some(Some(head)) = self.cache.peek(customer) else {
+                continue;
+            };
+            for &i in idx {
+                let key = events[i].0.key.as_str();
+                if !batch.outcomes[i].is_final()
+                    && head.keys.contains(key)
+                    && batch.verified_cached.insert(i)
+                {
+                    asked.entry(key).or_default().push(i);
+                }
+            }
+        }
+        asked
     }
 
     /// An event at or below its partition's watermark is normally a
@@ -224,14 +292,7 @@ impl<S: BucketDb> BucketWriter<S> {
         let timer = self.timer(WriteOperation::FindKeys);
         let found = self.store.find_keys(&keys).await?;
         timer.observe_duration();
-        let mut stored: HashSet<usize> = HashSet::new();
-        for (key, bucket_id) in &found {
-            for &i in asked.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
-                if Prefix::of(&batch.events[i].0.customer).owns(bucket_id) {
-                    stored.insert(i);
-                }
-            }
-        }
+        let stored = stored_in_own_bucket(batch.events, &asked, &found);
         let mut unstored = 0;
         for &i in asked.values().flatten() {
             if !stored.contains(&i) {
@@ -583,6 +644,24 @@ impl<S: BucketDb> BucketWriter<S> {
         }
         Ok(())
     }
+}
+
+/// The events of `asked` whose key `found` shows in one of their own
+/// customer's buckets.
+fn stored_in_own_bucket(
+    events: &[(Trade, Source)],
+    asked: &HashMap<&str, Vec<usize>>,
+    found: &[(String, String)],
+) -> HashSet<usize> {
+    let mut stored = HashSet::new();
+    for (key, bucket_id) in found {
+        for &i in asked.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
+            if Prefix::of(&events[i].0.customer).owns(bucket_id) {
+                stored.insert(i);
+            }
+        }
+    }
+    stored
 }
 
 mod round;

@@ -119,6 +119,17 @@ pub async fn run(
     opts: &Options,
     progress: bool,
 ) -> Result<Report, ReconcileError> {
+    let store = BucketStore::connect(settings).await?;
+    run_with(settings, opts, store, progress).await
+}
+
+/// [`run`] over a store already connected (tests watch its commands).
+pub async fn run_with(
+    settings: &Settings,
+    opts: &Options,
+    store: BucketStore,
+    progress: bool,
+) -> Result<Report, ReconcileError> {
     let dead_letter_topics = dlq_io::default_topics(settings);
     let mut ledger = Ledger::new(dead_letter_sources(settings, &dead_letter_topics, opts)?);
     // The worker's own group: its committed offsets are read, never
@@ -128,7 +139,7 @@ pub async fn run(
     let total: i64 = spans.iter().map(|s| s.to - s.from).sum();
     let mut check = Check {
         settings,
-        store: BucketStore::connect(settings).await?,
+        store,
         ledger: &mut ledger,
         limit: RateLimit::new(opts.rate),
         replay: opts.replay_missing,

@@ -583,6 +583,9 @@ pub struct Scenario {
     /// letter and its commit (docs/design.md, "Known limits"). Scenarios
     /// without rebalances or crashes keep the exact count.
     pub dead_letters_at_least_once: bool,
+    /// Also run `tradebucket reconcile` at the end: every record the group
+    /// committed past must be accounted for (the storm).
+    pub reconcile: bool,
 }
 
 impl Scenario {
@@ -616,6 +619,7 @@ impl Scenario {
             failures: Vec::new(),
             notes: serde_json::Map::new(),
             dead_letters_at_least_once: false,
+            reconcile: false,
         }
     }
 

@@ -92,15 +92,17 @@ storms = sorted(directory.glob("storm-*.json"),
                 key=lambda p: int(p.stem.split("-")[1]))
 if storms:
     print("| seed | size | conditions drawn | events | distinct trades | lost | doubled "
-          "| dead letters (records / sent) | verdict |")
-    print("|---:|---|---|---:|---:|---:|---:|---|---|")
+          "| dead letters (records / sent) | reconcile | verdict |")
+    print("|---:|---|---|---:|---:|---:|---:|---|---|---|")
     for path in storms:
         r = json.loads(path.read_text())
         seed = r["scenario"].split("-")[1]
         drawn = r["notes"].get("drawn", r["notes"].get("conditions"))
         verdict = storm_verdict(r)
+        rec = r["notes"].get("reconcile")
+        rec = (f"{rec['records']} records, {rec['problems']} problems" if rec else "not run")
         print(f"| {seed} | {r['size']} | {drawn} | {r['events_produced']} "
               f"| {r['trades_stored']} of {r['trades_expected']} | {r['lost']} "
               f"| {r['duplicated']} | {r['dead_letters_distinct']} of "
-              f"{r['dead_letters_expected']} / {r['dead_letters_actual']} | {verdict} |")
+              f"{r['dead_letters_expected']} / {r['dead_letters_actual']} | {rec} | {verdict} |")
     print()

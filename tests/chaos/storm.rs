@@ -9,7 +9,7 @@
 //! distinct trade stored exactly once under its customer, each customer's
 //! pages one valid chain (the binary's audit), every bad record
 //! dead-lettered (and nothing else), offsets committed to the end, no exit
-//! nobody asked for. Dead letters may repeat when a partition moves or a
+//! nobody asked for, and `tradebucket reconcile` clean. Dead letters may repeat when a partition moves or a
 //! worker dies between a dead letter and its commit: the product promises
 //! them at least once (docs/design.md, "Known limits"); the report counts
 //! the repeats (`dead_letters` against `dead_letters_distinct`).
@@ -229,6 +229,7 @@ async fn run(c: Conditions) {
     // Rebalances and kills are drawn: a dead letter sent before a partition
     // moved, or before a crash, is sent again by the next owner.
     s.dead_letters_at_least_once = true;
+    s.reconcile = true;
     let recs = Arc::new(records(&c));
     let producer = produce_paced(
         s.stack.env.kafka.clone(),

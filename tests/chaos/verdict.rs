@@ -101,6 +101,30 @@ pub fn audit_binary(vars: &BTreeMap<String, String>) -> (Option<i32>, BTreeMap<S
     (code, numbers)
 }
 
+impl Scenario {
+    /// `tradebucket reconcile --json`: its totals go in the report's notes;
+    /// an exit other than 0 or any problem is a failure.
+    fn reconcile_binary(&mut self) {
+        let out = std::process::Command::new(bin())
+            .args(["reconcile", "--json", "--rate", "0"])
+            .envs(&self.vars)
+            .output()
+            .expect("run tradebucket reconcile");
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let total = report.get("total").cloned().unwrap_or_default();
+        self.notes.insert("reconcile".into(), total.clone());
+        let problems = total.get("problems").and_then(Value::as_u64);
+        if out.status.code() != Some(0) || problems != Some(0) {
+            let listed = report.get("problems").cloned().unwrap_or_default();
+            self.failures.push(format!(
+                "reconcile exited {:?} with problems {problems:?}: {listed} {}",
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+    }
+}
+
 /// Where the group stood once the workers were stopped.
 struct Settled {
     seconds_until_committed_to_end: f64,
@@ -423,6 +447,9 @@ impl Scenario {
         self.check_logs();
         let trades = check_trades(&self.stack.env.histories().await, &expected(recs, placed));
         let audit = audit_binary(&self.vars);
+        if self.reconcile {
+            self.reconcile_binary();
+        }
         let dead = check_dead_letters(&self.stack.env, recs, placed);
         let report = self.report(recs, &settled, &trades, &audit, &dead);
         self.write_report(&report);

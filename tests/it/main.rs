@@ -10,6 +10,7 @@ mod ops;
 mod outage;
 mod pipeline;
 mod plumbing;
+mod reconcile;
 mod writer;
 
 /// The binary under test: only the root package's tests know its path, so

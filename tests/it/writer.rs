@@ -590,3 +590,33 @@ async fn writers_with_capacities_10_and_20_fill_each_bucket_to_its_own() {
     audit_clean(&env, 10).await;
     env.cleanup().await;
 }
+
+/// The cache is an optimisation only: after a customer's buckets are
+/// deleted by hand while the writer runs (a restore, an operator's
+/// mistake), the same trades sent again are stored again, not settled as
+/// duplicates or as already applied from the cached newest bucket. Before
+/// `verify_cached_keys`, all six came back `Duplicate` or
+/// `AlreadyApplied`, and nothing was stored.
+#[tokio::test]
+async fn trades_of_a_cached_bucket_deleted_by_hand_are_stored_when_sent_again() {
+    for sharded in [false, true] {
+        let env = TestEnv::new("writer-deleted", 1).await;
+        let store = store(&env, sharded).await;
+        let topic = env.topic.clone();
+        let mut writer = BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());
+        let first: Vec<_> = (0..6)
+            .map(|o| event(&format!("d{o}"), 1, o, &topic))
+            .collect();
+        write_all(&mut writer, first.clone()).await;
+        store.collection().delete_many(doc! {}).await.unwrap();
+        // The same trades: a redelivery (same offsets, at or below the
+        // cached watermark) and a replay (new offsets) of them.
+        let again: Vec<_> = (0..6)
+            .map(|o| event(&format!("d{o}"), 1, if o < 3 { o } else { o + 10 }, &topic))
+            .collect();
+        write_all(&mut writer, again).await;
+        let report = audit_mode_clean(&env, sharded).await;
+        assert_eq!(report.trades, 6, "sharded {sharded}");
+        env.cleanup().await;
+    }
+}

@@ -28,6 +28,10 @@ pub(super) struct Batch<'a> {
     pub(super) isolate: HashMap<CustomerId, usize>,
     /// Events already looked up by `verify_below_watermark`.
     pub(super) verified: HashSet<usize>,
+    /// Events already looked up by `verify_cached_keys`.
+    pub(super) verified_cached: HashSet<usize>,
+    /// Customers whose newest bucket this call read from MongoDB.
+    pub(super) loaded: HashSet<CustomerId>,
     /// Customers whose newest bucket we cannot plan against, this call.
     pub(super) unreadable: HashMap<CustomerId, UnreadableBucket>,
     pub(super) stats: WriteStats,
@@ -54,6 +58,8 @@ impl<'a> Batch<'a> {
             known: HashMap::new(),
             isolate: HashMap::new(),
             verified: HashSet::new(),
+            verified_cached: HashSet::new(),
+            loaded: HashSet::new(),
             unreadable: HashMap::new(),
             stats,
         }

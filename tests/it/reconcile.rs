@@ -1,0 +1,314 @@
+//! `tradebucket reconcile` against what the real worker stored: every
+//! record accounted for on a clean run; trades removed by hand (one bucket
+//! whole) named by their offsets, put back by `--replay-missing`, and clean
+//! again; bad records matched to their dead letters, and reported when
+//! their dead letters are out of the picture; upstream duplicates counted,
+//! not reported; in sharded mode, every lookup names the customer.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mongodb::bson::{doc, Document};
+use mongodb::event::command::CommandEvent;
+use mongodb::event::EventHandler;
+use serde_json::Value;
+use testkit::*;
+use tradebucket::bucket::store::BucketStore;
+use tradebucket::reconcile::io::{run_with, Options};
+
+use crate::bin;
+
+const CAPACITY: &str = "4";
+
+/// `tradebucket reconcile --json ARGS` with the test's settings and
+/// `extra` variables: (exit code, the report).
+fn reconcile(env: &TestEnv, extra: &[(&str, &str)], args: &[&str]) -> (Option<i32>, Value) {
+    let out = Command::new(bin())
+        .args(["reconcile", "--json", "--rate", "0"])
+        .args(args)
+        .envs(env.vars(extra))
+        .output()
+        .expect("run tradebucket reconcile");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let report = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{e}: {text} / {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code(), report)
+}
+
+/// (kind, partition, offset) of every problem listed.
+fn problems(report: &Value) -> BTreeSet<(String, i64, i64)> {
+    report["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let kind = p["kind"].as_str().unwrap().to_string();
+            (
+                kind,
+                p["partition"].as_i64().unwrap(),
+                p["offset"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn total(report: &Value, field: &str) -> u64 {
+    report["total"][field].as_u64().unwrap()
+}
+
+/// What a produced record is stored as.
+#[derive(Clone)]
+enum Stored {
+    /// `t:<tradeId>`.
+    ById(String),
+    /// Without `tradeId`: `o:<its position>`.
+    ByPosition,
+    /// Not a trade: dead-lettered.
+    Bad,
+}
+
+/// 60 trades of six customers (one in five without `tradeId`), six of them
+/// sent again by the upstream, and three records that are not JSON.
+fn records() -> Vec<(Produced, Stored)> {
+    let keyed = |customer: i64, json: Value| Produced {
+        key: Some(customer.to_string()),
+        payload: Some(json.to_string().into_bytes()),
+        ..Produced::default()
+    };
+    let mut out = Vec::new();
+    for i in 0..60_i64 {
+        let t = trade(format!("C{i}"))
+            .customer(i % 6)
+            .date(1_700_000_000_000_i64 + i * 1000);
+        let (json, stored) = if i % 5 == 4 {
+            (t.no_id().json(), Stored::ByPosition)
+        } else {
+            (t.json(), Stored::ById(format!("t:C{i}")))
+        };
+        out.push((keyed(i % 6, json), stored));
+    }
+    for i in [0_usize, 7, 13, 21, 33, 41] {
+        let copy = out[i].clone();
+        out.push(copy);
+    }
+    for _ in 0..3 {
+        let bad = Produced {
+            key: Some("x".into()),
+            payload: Some(b"{not json".to_vec()),
+            ..Produced::default()
+        };
+        out.push((bad, Stored::Bad));
+    }
+    out
+}
+
+#[tokio::test]
+async fn reconcile_names_the_trades_removed_by_hand_and_replay_restores_them() {
+    let env = TestEnv::new("reconcile", 2).await;
+    let recs = records();
+    let sent: Vec<Produced> = recs.iter().map(|(p, _)| p.clone()).collect();
+    let positions = env.produce(&sent).await;
+    let keys: Vec<Option<String>> = recs
+        .iter()
+        .zip(&positions)
+        .map(|((_, stored), (p, o))| match stored {
+            Stored::ById(key) => Some(key.clone()),
+            Stored::ByPosition => Some(format!("o:{}/{p}/{o}", env.topic)),
+            Stored::Bad => None,
+        })
+        .collect();
+    let vars = [("TRADEBUCKET__BUCKETS__CAPACITY", CAPACITY)];
+    let worker = WorkerProcess::start(bin(), env.vars(&vars), Log::Quiet);
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    env.dead_letters(3, Duration::from_secs(30)).await;
+
+    let (code, clean) = reconcile(&env, &vars, &[]);
+    assert_eq!(code, Some(0), "{clean}");
+    let counts = [
+        "records",
+        "stored",
+        "upstream_duplicates",
+        "dead_lettered",
+        "problems",
+    ];
+    let got: Vec<u64> = counts.iter().map(|f| total(&clean, f)).collect();
+    assert_eq!(got, vec![69, 60, 6, 3, 0], "{clean}");
+
+    let removed = remove_by_hand(&env).await;
+    let expected: BTreeSet<(String, i64, i64)> = keys
+        .iter()
+        .zip(&positions)
+        .filter(|(k, _)| k.as_ref().is_some_and(|k| removed.contains(k)))
+        .map(|(_, (p, o))| ("missing".to_string(), i64::from(*p), *o))
+        .collect();
+    assert!(
+        expected.len() >= removed.len() && removed.len() >= 4,
+        "{removed:?}"
+    );
+    let (code, found) = reconcile(&env, &vars, &[]);
+    assert_eq!(code, Some(1));
+    assert_eq!(problems(&found), expected, "{found}");
+
+    let (code, replay) = reconcile(&env, &vars, &["--replay-missing"]);
+    assert_eq!(code, Some(1));
+    let replayed = replay["replayed"].as_u64().unwrap();
+    assert_eq!(replayed, expected.len() as u64, "{replay}");
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    let (code, again) = reconcile(&env, &vars, &[]);
+    assert_eq!(code, Some(0), "{again}");
+    assert_eq!(total(&again, "stored"), 60);
+    assert_eq!(total(&again, "upstream_duplicates"), 6 + replayed);
+
+    dead_letters_out_of_the_picture(&env, &vars, &keys, &positions);
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
+
+/// Deletes customer 1's newest bucket whole, and pulls one trade with
+/// `tradeId` and one without (stored under its position) out of customer
+/// 4's buckets; returns the keys gone.
+async fn remove_by_hand(env: &TestEnv) -> BTreeSet<String> {
+    let buckets = env.buckets().await;
+    let coll = env.store().await.collection().clone();
+    let of = |prefix: &str| -> Vec<&Document> {
+        buckets
+            .iter()
+            .filter(|b| b.get_str("_id").unwrap().starts_with(prefix))
+            .collect()
+    };
+    let keys_of = |b: &Document| -> Vec<String> {
+        b.get_array("history")
+            .unwrap()
+            .iter()
+            .map(|h| h.as_document().unwrap().get_str("key").unwrap().to_string())
+            .collect()
+    };
+    let newest = *of("1_").last().unwrap();
+    let mut removed: BTreeSet<String> = keys_of(newest).into_iter().collect();
+    coll.delete_one(doc! {"_id": newest.get_str("_id").unwrap()})
+        .await
+        .unwrap();
+    let four: Vec<String> = of("4_").into_iter().flat_map(keys_of).collect();
+    let by_id = four.iter().find(|k| k.starts_with("t:")).unwrap();
+    let by_position = four.iter().find(|k| k.starts_with("o:")).unwrap();
+    for key in [by_id, by_position] {
+        coll.update_many(doc! {}, doc! {"$pull": {"history": {"key": key}}})
+            .await
+            .unwrap();
+        removed.insert(key.clone());
+    }
+    removed
+}
+
+/// Pointed at a dead-letter topic without the bad records' dead letters,
+/// reconcile names exactly those three records.
+fn dead_letters_out_of_the_picture(
+    env: &TestEnv,
+    vars: &[(&str, &str)],
+    keys: &[Option<String>],
+    positions: &[(i32, i64)],
+) {
+    let elsewhere = format!("{}.elsewhere", env.dlq);
+    let mut moved = vars.to_vec();
+    moved.push(("TRADEBUCKET__KAFKA__DLQ_TOPIC", &elsewhere));
+    let (code, report) = reconcile(env, &moved, &[]);
+    assert_eq!(code, Some(1));
+    let bad: BTreeSet<(String, i64, i64)> = keys
+        .iter()
+        .zip(positions)
+        .filter(|(k, _)| k.is_none())
+        .map(|(_, (p, o))| ("missing".to_string(), i64::from(*p), *o))
+        .collect();
+    assert_eq!(bad.len(), 3);
+    assert_eq!(problems(&report), bad, "{report}");
+}
+
+#[tokio::test]
+async fn sharded_reconcile_names_the_customer_in_every_lookup() {
+    let env = TestEnv::new("reconcile-sharded", 2).await;
+    let vars = [("TRADEBUCKET__MONGODB__SHARDED", "true")];
+    let events: Vec<Value> = (0..30_i64)
+        .map(|i| trade(format!("S{i}")).customer(i % 7).json())
+        .collect();
+    env.produce_json(&events).await;
+    let worker = WorkerProcess::start(bin(), env.vars(&vars), Log::Quiet);
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    let settings = env.settings(&vars);
+    let finds: Arc<Mutex<Vec<Document>>> = Arc::default();
+    let log = finds.clone();
+    let handler = EventHandler::callback(move |event| {
+        if let CommandEvent::Started(s) = event {
+            if s.command_name == "find" {
+                log.lock().unwrap().push(s.command);
+            }
+        }
+    });
+    let store = BucketStore::connect_with(&settings, Some(handler))
+        .await
+        .unwrap();
+    let report = run_with(&settings, &options(), store, false).await.unwrap();
+    assert!(report.clean(), "{report:?}");
+    assert_eq!(report.total.stored, 30);
+    let finds = finds.lock().unwrap().clone();
+    assert!(!finds.is_empty());
+    for f in &finds {
+        let filter = f.get_document("filter").unwrap();
+        let branches: Vec<&Document> = match filter.get_array("$or") {
+            Ok(b) => b.iter().map(|b| b.as_document().unwrap()).collect(),
+            Err(_) => vec![filter],
+        };
+        assert!(
+            branches.iter().all(|b| b.contains_key("customerId")),
+            "{filter}"
+        );
+    }
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
+
+fn options() -> Options {
+    Options {
+        since: None,
+        from: Vec::new(),
+        to_end: false,
+        replay_missing: false,
+        rate: 0,
+        timeout: Duration::from_secs(60),
+        json: true,
+    }
+}
+
+/// `--from` checks only the partitions it names, from its offsets; with
+/// nothing committed, nothing is promised.
+#[tokio::test]
+async fn from_and_uncommitted_partitions_bound_what_is_checked() {
+    let env = TestEnv::new("reconcile-from", 2).await;
+    let events: Vec<Value> = (0..20_i64)
+        .map(|i| trade(format!("F{i}")).customer(i % 3).json())
+        .collect();
+    let positions = env.produce_json(&events).await;
+    let settings = env.settings(&[]);
+    let store = env.store().await;
+    // Nothing committed yet: nothing read, nothing reported.
+    let report = run_with(&settings, &options(), store, false).await.unwrap();
+    assert_eq!((report.total.records, report.clean()), (0, true));
+    assert!(report.partitions.iter().all(|p| p.span.uncommitted));
+    let worker = WorkerProcess::start(bin(), env.vars(&[]), Log::Quiet);
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    let ends: BTreeMap<i32, i64> = env.end_offsets();
+    let (p, _) = positions[0];
+    let opts = Options {
+        from: vec![(p, 1)],
+        ..options()
+    };
+    let report = run_with(&settings, &opts, env.store().await, false)
+        .await
+        .unwrap();
+    assert_eq!(report.partitions.len(), 1);
+    assert_eq!(report.total.records as i64, ends[&p] - 1);
+    assert_eq!(report.total.stored as i64, ends[&p] - 1);
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
