@@ -133,6 +133,8 @@ async fn main() -> anyhow::Result<()> {
     let mut samples = Vec::new();
     let (first, second) = worker_runs(&args, &target, &mut samples).await?;
     let audit = cli::audit(&settings, None).await?;
+    let worker_seconds = first.seconds + second.as_ref().map_or(0.0, |s| s.seconds);
+    let reconcile = reconcile_run(&target, worker_seconds).await?;
     // The ceiling is only a ceiling of the same work with the same indexes.
     let store = BucketStore::connect(&settings).await?;
     let product_indexes = index_keys(store.collection()).await?;
@@ -180,6 +182,7 @@ async fn main() -> anyhow::Result<()> {
         "tradebucket_first": first,
         "tradebucket_second": second,
         "delays": delays,
+        "reconcile": reconcile,
         "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
     });
     write_results(&args.out, &results, &samples)
@@ -270,6 +273,60 @@ async fn worker_runs(
         run.events_per_second, run.peak_rss_mib, run.cpu_per_million
     );
     Ok((first, Some(run)))
+}
+
+/// Step 5b: `tradebucket reconcile --rate 0` over every record the worker
+/// runs stored (issue #26: no slower than the worker took to store them,
+/// peak RSS under 150 MiB). Peak RSS is the process's high-water mark
+/// (`VmHWM`), read until it exits: it only grows, so the last reading is
+/// the peak.
+async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<serde_json::Value> {
+    let started = Instant::now();
+    let mut child = std::process::Command::new(bin())
+        .args(["reconcile", "--json", "--rate", "0"])
+        .env_clear()
+        .envs(&target.vars)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()?;
+    let status = format!("/proc/{}/status", child.id());
+    let mut peak_kib = 0;
+    while child.try_wait()?.is_none() {
+        if let Some(kib) = std::fs::read_to_string(&status).ok().and_then(|s| vm_hwm_kib(&s)) {
+            peak_kib = peak_kib.max(kib);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let out = child.wait_with_output()?;
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    anyhow::ensure!(
+        out.status.success() && report["total"]["problems"] == 0,
+        "reconcile found problems: {}",
+        report["total"]
+    );
+    let records = report["total"]["records"].as_u64().unwrap_or(0);
+    eprintln!(
+        "bench: reconcile {records} records in {seconds:.1} s (the worker: {worker_seconds:.1} s), peak RSS {:.1} MiB",
+        peak_kib as f64 / 1024.0
+    );
+    Ok(json!({
+        "records": records,
+        "seconds": seconds,
+        "records_per_second": records as f64 / seconds,
+        "worker_seconds": worker_seconds,
+        "peak_rss_mib": peak_kib as f64 / 1024.0,
+    }))
+}
+
+fn vm_hwm_kib(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 fn machine() -> serde_json::Value {

@@ -82,6 +82,13 @@ peak = max(first["peak_rss_mib"], second["peak_rss_mib"] if second else 0)
 targets.append(target("peak RSS ≤ 150 MiB over the 1,000,000-event backlog",
                       f"{peak:.1f} MiB (backlog {r['events']:,})",
                       None if r["events"] < 1_000_000 else peak <= 150))
+rec = r.get("reconcile")
+if rec:
+    targets.append(target("reconcile no slower than the worker took to store the same records",
+                          f"{rec['records']:,} records in {rec['seconds']:.1f} s vs the worker's {rec['worker_seconds']:.1f} s",
+                          rec["seconds"] <= rec["worker_seconds"]))
+    targets.append(target("reconcile peak RSS ≤ 150 MiB", f"{rec['peak_rss_mib']:.1f} MiB",
+                          None if rec["records"] < 1_000_000 else rec["peak_rss_mib"] <= 150))
 if second:
     second_ratio = second["events_per_second"] / tb
     targets.append(target("second million within 10 % of the first", f"{second_ratio:.2f} × the first",
