@@ -292,7 +292,10 @@ async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<s
     let status = format!("/proc/{}/status", child.id());
     let mut peak_kib = 0;
     while child.try_wait()?.is_none() {
-        if let Some(kib) = std::fs::read_to_string(&status).ok().and_then(|s| vm_hwm_kib(&s)) {
+        if let Some(kib) = std::fs::read_to_string(&status)
+            .ok()
+            .and_then(|s| vm_hwm_kib(&s))
+        {
             peak_kib = peak_kib.max(kib);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -63,42 +63,54 @@ fn client_config(
     c
 }
 
+/// How far a reading consumer fetches ahead of what it has handed out:
+/// the worker's consumer and the readers (`dlq`, `reconcile`) alike.
+const PREFETCH: [(&str, &str); 3] = [
+    // Prefetched messages waiting for the loop: librdkafka's 64 MiB
+    // default would be most of the worker's memory; 16 MiB still holds
+    // several default batches of typical events.
+    ("queued.max.messages.kbytes", "16384"),
+    // That bound counts values only (librdkafka 2.12 sizes a queued record
+    // by its payload), and every fetch response stays in memory while one
+    // of its records is queued: records with large keys or headers were
+    // prefetched far ahead (147 MiB peak with 20,000 records of 8 KiB
+    // headers, 84-88 MiB with this). A record count bounds them too: 2,000
+    // records of 8 KiB headers are the same 16 MiB, and one fetch brings
+    // thousands of typical events anyway.
+    ("queued.min.messages", "2000"),
+    // Once the queue is full, librdkafka looks again only after this long;
+    // its 1 s default would idle the loop most of a second after each 2,000
+    // records.
+    ("fetch.queue.backoff.ms", "10"),
+];
+
+fn prefetch() -> impl Iterator<Item = (&'static str, String)> {
+    PREFETCH.iter().map(|(k, v)| (*k, v.to_string()))
+}
+
 fn consumer_config(settings: &Settings) -> ClientConfig {
     let k = &settings.kafka;
+    let tunables: Vec<(&str, String)> = [
+        (
+            "auto.offset.reset",
+            k.auto_offset_reset.as_str().to_string(),
+        ),
+        ("session.timeout.ms", millis(k.session_timeout)),
+        ("max.poll.interval.ms", millis(k.max_poll_interval)),
+        // Lag per partition comes from librdkafka's statistics.
+        ("statistics.interval.ms", "5000".to_string()),
+        // Kafka answers a fetch as soon as data is there, but a broker
+        // that holds it until the wait ends (the local test broker does)
+        // would add up to 500 ms to every event's delay at low rates.
+        // Idle, this costs one empty fetch per broker every 100 ms.
+        ("fetch.wait.max.ms", "100".to_string()),
+    ]
+    .into_iter()
+    .chain(prefetch())
+    .collect();
     client_config(
         settings,
-        &[
-            (
-                "auto.offset.reset",
-                k.auto_offset_reset.as_str().to_string(),
-            ),
-            ("session.timeout.ms", millis(k.session_timeout)),
-            ("max.poll.interval.ms", millis(k.max_poll_interval)),
-            // Lag per partition comes from librdkafka's statistics.
-            ("statistics.interval.ms", "5000".to_string()),
-            // Prefetched messages waiting for the loop: librdkafka's 64 MiB
-            // default would be most of the worker's memory; 16 MiB still
-            // holds several default batches of typical events.
-            ("queued.max.messages.kbytes", "16384".to_string()),
-            // That bound counts values only (librdkafka 2.12 sizes a
-            // queued record by its payload), and every fetch response stays
-            // in memory while one of its records is queued: records with
-            // large keys or headers were prefetched far ahead (147 MiB
-            // peak with 20,000 records of 8 KiB headers, 84-88 MiB with
-            // this). A record count bounds them too: 2,000 records of
-            // 8 KiB headers are the same 16 MiB, and one fetch brings
-            // thousands of typical events anyway.
-            ("queued.min.messages", "2000".to_string()),
-            // Once the queue is full, librdkafka looks again only after
-            // this long; its 1 s default would idle the loop most of a
-            // second after each 2,000 records.
-            ("fetch.queue.backoff.ms", "10".to_string()),
-            // Kafka answers a fetch as soon as data is there, but a broker
-            // that holds it until the wait ends (the local test broker does)
-            // would add up to 500 ms to every event's delay at low rates.
-            // Idle, this costs one empty fetch per broker every 100 ms.
-            ("fetch.wait.max.ms", "100".to_string()),
-        ],
+        &tunables,
         &[
             ("group.id", k.group_id.clone()),
             ("enable.auto.commit", "false".to_string()),
@@ -178,7 +190,8 @@ pub fn reader_client(
         ("enable.auto.commit", "false".to_string()),
         ("enable.auto.offset.store", "false".to_string()),
     ];
-    client_config(settings, &[], &fixed)
+    let tunables: Vec<(&str, String)> = prefetch().collect();
+    client_config(settings, &tunables, &fixed)
         .create_with_context(ScrubbedLogs::new(settings))
         .map_err(|e| SetupError::new(settings, e))
 }
