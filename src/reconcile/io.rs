@@ -5,6 +5,7 @@
 //! filter), and the missing records put back on their topic if asked.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -14,6 +15,7 @@ use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
 
+use super::known::{KnownKeys, Slots, KNOWN_KEYS};
 use super::{keys_of, span, Counts, Ledger, Problem, ProblemKind, Span, Start, TradeSeen, Verdict};
 use crate::bucket::store::{BucketStore, StoreError};
 use crate::config::Settings;
@@ -137,9 +139,21 @@ pub async fn run_with(
     let client = kafka::reader_client(settings, &settings.kafka.group_id)?;
     let spans = spans(&client, settings, opts)?;
     let total: i64 = spans.iter().map(|s| s.to - s.from).sum();
+    let trusted = store.trade_keys_are_unique().await?;
+    if !trusted {
+        tracing::warn!(
+            "the collection lacks the unique index on trade keys that init creates: \
+             every key is looked up on its own (slower), and a key stored twice is \
+             found only in what is read"
+        );
+    }
     let mut check = Check {
         settings,
         store,
+        known: trusted.then(|| KnownKeys::new(KNOWN_KEYS)),
+        slots: Slots {
+            sharded: settings.mongodb.sharded,
+        },
         ledger: &mut ledger,
         limit: RateLimit::new(opts.rate),
         replay: opts.replay_missing,
@@ -324,6 +338,9 @@ struct Read {
 struct Check<'a> {
     settings: &'a Settings,
     store: BucketStore,
+    /// Buckets already read, by key; `None` while keys are not unique.
+    known: Option<KnownKeys>,
+    slots: Slots,
     ledger: &'a mut Ledger,
     limit: RateLimit,
     replay: bool,
@@ -398,7 +415,8 @@ impl Check<'_> {
                 Some((customer, _)) => {
                     let buckets: Vec<String> = keys
                         .iter()
-                        .flat_map(|k| found.get(k.as_str()).into_iter().flatten().cloned())
+                        .map(|k| self.slots.slot(customer, k))
+                        .flat_map(|s| found.get(&s).into_iter().flatten().map(|b| b.to_string()))
                         .collect();
                     self.ledger.trade(&TradeSeen {
                         at: &r.at,
@@ -421,21 +439,51 @@ impl Check<'_> {
     }
 
     /// Every bucket holding each key the batch's trades may be stored
-    /// under.
+    /// under, by slot ([`KnownKeys::slot`]): from buckets read before
+    /// where keys are unique, the rest in one query.
     async fn lookup(
-        &self,
+        &mut self,
         batch: &[Read],
         keys: &[Vec<String>],
-    ) -> Result<HashMap<String, Vec<String>>, ReconcileError> {
-        let wanted: Vec<(CustomerId, String)> = batch
-            .iter()
-            .zip(keys)
-            .filter_map(|(r, keys)| Some((&r.trade.as_ref()?.0, keys)))
-            .flat_map(|(c, keys)| keys.iter().map(move |k| (c.clone(), k.clone())))
-            .collect();
-        let mut found: HashMap<String, Vec<String>> = HashMap::new();
-        for (key, bucket) in self.store.find_keys(&wanted).await? {
-            found.entry(key).or_default().push(bucket);
+    ) -> Result<HashMap<String, Vec<Arc<str>>>, ReconcileError> {
+        let mut found: HashMap<String, Vec<Arc<str>>> = HashMap::new();
+        let mut wanted: Vec<(CustomerId, String)> = Vec::new();
+        for (r, keys) in batch.iter().zip(keys) {
+            let Some((customer, _)) = &r.trade else {
+                continue;
+            };
+            for k in keys {
+                let slot = self.slots.slot(customer, k);
+                if found.contains_key(&slot) {
+                    continue;
+                }
+                match self.known.as_mut().and_then(|known| known.get(&slot)) {
+                    Some(buckets) => found.insert(slot, buckets.to_vec()),
+                    None => {
+                        wanted.push((customer.clone(), k.clone()));
+                        found.insert(slot, Vec::new())
+                    }
+                };
+            }
+        }
+        let asked: std::collections::HashSet<String> =
+            wanted.iter().map(|(c, k)| self.slots.slot(c, k)).collect();
+        let read = match self.known.as_mut() {
+            Some(known) => {
+                let read = self
+                    .slots
+                    .group(self.store.find_buckets_of_keys(&wanted).await?);
+                known.remember(&read);
+                read
+            }
+            None => self.slots.group(self.store.find_keys(&wanted).await?),
+        };
+        // A slot answered from memory is whole already; only the asked
+        // ones take what this query read.
+        for (slot, buckets) in read {
+            if asked.contains(&slot) {
+                found.insert(slot, buckets);
+            }
         }
         Ok(found)
     }

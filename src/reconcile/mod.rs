@@ -18,6 +18,7 @@ use crate::bucket::id::Prefix;
 use crate::event::{CustomerId, Source};
 
 pub mod io;
+mod known;
 #[cfg(test)]
 mod tests;
 

@@ -98,6 +98,23 @@ impl BucketStore {
         Ok(ShardState::Sharded)
     }
 
+    /// Whether the collection has the unique index on trade keys that this
+    /// mode creates (`init`): with it, MongoDB refuses a second bucket
+    /// holding a key (per customer, sharded), so a bucket read once tells
+    /// where each of its keys is, and nowhere else. Reconcile trusts
+    /// that only while the index is there.
+    pub async fn trade_keys_are_unique(&self) -> Result<bool, StoreError> {
+        let wanted = index_models(self.sharded)
+            .into_iter()
+            .find(|m| m.keys.contains_key("history.key"))
+            .map(|m| m.keys);
+        let unique = |m: &IndexModel| m.options.as_ref().and_then(|o| o.unique) == Some(true);
+        let have = self.index_models().await?;
+        Ok(have
+            .iter()
+            .any(|m| unique(m) && Some(&m.keys) == wanted.as_ref()))
+    }
+
     /// The collection's indexes; none if it does not exist yet.
     async fn index_models(&self) -> Result<Vec<IndexModel>, StoreError> {
         let listed = async { self.coll.list_indexes().await?.try_collect().await };

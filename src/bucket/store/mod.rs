@@ -258,6 +258,27 @@ impl BucketStore {
         &self,
         wanted: &[(CustomerId, String)],
     ) -> Result<Vec<(String, String)>, StoreError> {
+        self.find_entries(wanted, false).await
+    }
+
+    /// The buckets [`find_keys`](Self::find_keys) finds, with *every* key
+    /// each one holds, asked or not: `(key, bucket _id)`. Each pair is a
+    /// fact about the bucket, not an answer for an asker: sharded, a key
+    /// of customer X's bucket says nothing about the same key of Y.
+    /// Reconcile keeps them, so a bucket is read once for all its keys.
+    pub async fn find_buckets_of_keys(
+        &self,
+        wanted: &[(CustomerId, String)],
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        self.find_entries(wanted, true).await
+    }
+
+    /// `find_keys`, or with `every_key` each found bucket's every key.
+    async fn find_entries(
+        &self,
+        wanted: &[(CustomerId, String)],
+        every_key: bool,
+    ) -> Result<Vec<(String, String)>, StoreError> {
         if wanted.is_empty() {
             return Ok(Vec::new());
         }
@@ -265,7 +286,9 @@ impl BucketStore {
             let keys: HashSet<&str> = wanted.iter().map(|(_, k)| k.as_str()).collect();
             let list: Vec<&str> = keys.iter().copied().collect();
             return self
-                .keys_in(doc! {"history.key": {"$in": list}}, |_, k| keys.contains(k))
+                .keys_in(doc! {"history.key": {"$in": list}}, |_, k| {
+                    every_key || keys.contains(k)
+                })
                 .await;
         }
         let mut by_customer: BTreeMap<CustomerId, HashSet<&str>> = BTreeMap::new();
@@ -300,7 +323,9 @@ impl BucketStore {
             // A bucket's other keys may be another asker's: only the
             // bucket's own customer's count.
             let owned = |id: &str, k: &str| {
-                Prefix::of_id(id).is_some_and(|p| asked.contains(&(p.as_str().to_string(), k)))
+                every_key
+                    || Prefix::of_id(id)
+                        .is_some_and(|p| asked.contains(&(p.as_str().to_string(), k)))
             };
             found.extend(self.keys_in(filter, owned).await?);
         }
