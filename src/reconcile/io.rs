@@ -1,8 +1,10 @@
 //! Reconcile over Kafka and MongoDB: the spans from the group's committed
 //! offsets, each partition streamed once (never more than one lookup batch
 //! held), its trades looked up in MongoDB at read concern majority
-//! ([`BucketStore::find_keys`]: in sharded mode with the customer in every
-//! filter), and the missing records put back on their topic if asked.
+//! ([`BucketStore::find_buckets_of_keys`]: in sharded mode with the
+//! customer in every filter; keys of buckets already read are answered
+//! from [`KnownKeys`]), and the missing records put back on their topic if
+//! asked.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
