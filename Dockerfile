@@ -12,7 +12,7 @@
 # The toolchain the project is built and tested with (CI's). It must not be
 # older than any locked crate's rust-version (uuid needs 1.89):
 # scripts/check-deploy checks that.
-FROM rust:1.95-bookworm AS builder
+FROM rust:1.95-trixie AS builder
 
 # rdkafka builds librdkafka from its bundled source with ./configure and
 # make (C and C++), against the system OpenSSL (feature "ssl"), zlib, Cyrus
@@ -63,11 +63,13 @@ RUN rm -rf target/release/.fingerprint/tradebucket-* \
     && install -D -m 0755 target/release/tradebucket /out/tradebucket
 
 
-FROM debian:bookworm-slim
+FROM debian:trixie-slim
 
-# The shared libraries the binary links (its NEEDED entries): libssl3
-# (librdkafka's TLS), libcurl4 (OIDC token requests), libsasl2-2 (Cyrus
-# SASL); zlib and libgcc are in the base image. ca-certificates: to verify
+# The shared libraries the binary links (its NEEDED entries): libssl3t64
+# (librdkafka's TLS), libcurl4t64 (OIDC token requests), libsasl2-2 (Cyrus
+# SASL); zlib and libgcc are in the base image. (Debian 13 renamed libssl3
+# and libcurl4 for its 64-bit time_t transition; the libraries, libssl.so.3
+# and libcurl.so.4, are the same, so a binary built on Debian 12 runs here.) ca-certificates: to verify
 # brokers', MongoDB's and the OIDC token endpoint's certificates.
 # Kerberos (sasl.mechanism=GSSAPI) also needs, at run time only: the Cyrus
 # SASL GSSAPI plugin, which libsasl2 loads from a directory rather than
@@ -76,7 +78,7 @@ FROM debian:bookworm-slim
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
-        libssl3 libcurl4 libsasl2-2 ca-certificates \
+        libssl3t64 libcurl4t64 libsasl2-2 ca-certificates \
         libsasl2-modules-gssapi-mit krb5-user \
     && rm -rf /var/lib/apt/lists/*
 
