@@ -32,6 +32,11 @@ RUN apt-get update \
 
 WORKDIR /build
 
+# `-p tradebucket`: the workspace's default members include testkit (so
+# that a plain `cargo build` or `clippy` covers it), which the image does
+# not need and which does not compile against the stub sources below.
+# (Found by the first build of this image, scripts/image.)
+#
 # Dependencies first, with stub sources: this layer (librdkafka and several
 # hundred crates, the slow part) is rebuilt only when Cargo.toml, Cargo.lock,
 # benches/ or testkit/ change, not on every source edit. benches/ is here because
@@ -46,7 +51,7 @@ COPY testkit ./testkit
 RUN mkdir src \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \
-    && cargo build --release --locked \
+    && cargo build --release --locked -p tradebucket \
     && rm -rf src
 
 # The real sources. config/default.toml is compiled into the binary
@@ -59,7 +64,7 @@ COPY config ./config
 RUN rm -rf target/release/.fingerprint/tradebucket-* \
         target/release/deps/tradebucket-* \
         target/release/deps/libtradebucket-* \
-    && cargo build --release --locked \
+    && cargo build --release --locked -p tradebucket \
     && install -D -m 0755 target/release/tradebucket /out/tradebucket
 
 
