@@ -11,7 +11,8 @@
 
 # The toolchain the project is built and tested with (CI's). It must not be
 # older than any locked crate's rust-version (uuid needs 1.89):
-# scripts/check-deploy checks that.
+# scripts/check-deploy checks that. Both stages are on Debian 13 (trixie),
+# the current stable.
 FROM rust:1.95-trixie AS builder
 
 # rdkafka builds librdkafka from its bundled source with ./configure and
@@ -74,8 +75,9 @@ FROM debian:trixie-slim
 # (librdkafka's TLS), libcurl4t64 (OIDC token requests), libsasl2-2 (Cyrus
 # SASL); zlib and libgcc are in the base image. (Debian 13 renamed libssl3
 # and libcurl4 for its 64-bit time_t transition; the libraries, libssl.so.3
-# and libcurl.so.4, are the same, so a binary built on Debian 12 runs here.) ca-certificates: to verify
-# brokers', MongoDB's and the OIDC token endpoint's certificates.
+# and libcurl.so.4, are the same, so a binary built on Debian 12 runs here.)
+# ca-certificates: to verify brokers', MongoDB's and the OIDC token
+# endpoint's certificates.
 # Kerberos (sasl.mechanism=GSSAPI) also needs, at run time only: the Cyrus
 # SASL GSSAPI plugin, which libsasl2 loads from a directory rather than
 # links (libsasl2-modules-gssapi-mit), and kinit (krb5-user), which
