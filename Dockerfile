@@ -11,8 +11,9 @@
 
 # The toolchain the project is built and tested with (CI's). It must not be
 # older than any locked crate's rust-version (uuid needs 1.89):
-# scripts/check-deploy checks that.
-FROM rust:1.95-bookworm AS builder
+# scripts/check-deploy checks that. Both stages are on Debian 13 (trixie),
+# the current stable.
+FROM rust:1.95-trixie AS builder
 
 # rdkafka builds librdkafka from its bundled source with ./configure and
 # make (C and C++), against the system OpenSSL (feature "ssl"), zlib, Cyrus
@@ -32,6 +33,11 @@ RUN apt-get update \
 
 WORKDIR /build
 
+# `-p tradebucket`: the workspace's default members include testkit (so
+# that a plain `cargo build` or `clippy` covers it), which the image does
+# not need and which does not compile against the stub sources below.
+# (Found by the first build of this image, scripts/image.)
+#
 # Dependencies first, with stub sources: this layer (librdkafka and several
 # hundred crates, the slow part) is rebuilt only when Cargo.toml, Cargo.lock,
 # benches/ or testkit/ change, not on every source edit. benches/ is here because
@@ -46,7 +52,7 @@ COPY testkit ./testkit
 RUN mkdir src \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \
-    && cargo build --release --locked \
+    && cargo build --release --locked -p tradebucket \
     && rm -rf src
 
 # The real sources. config/default.toml is compiled into the binary
@@ -59,16 +65,19 @@ COPY config ./config
 RUN rm -rf target/release/.fingerprint/tradebucket-* \
         target/release/deps/tradebucket-* \
         target/release/deps/libtradebucket-* \
-    && cargo build --release --locked \
+    && cargo build --release --locked -p tradebucket \
     && install -D -m 0755 target/release/tradebucket /out/tradebucket
 
 
-FROM debian:bookworm-slim
+FROM debian:trixie-slim
 
-# The shared libraries the binary links (its NEEDED entries): libssl3
-# (librdkafka's TLS), libcurl4 (OIDC token requests), libsasl2-2 (Cyrus
-# SASL); zlib and libgcc are in the base image. ca-certificates: to verify
-# brokers', MongoDB's and the OIDC token endpoint's certificates.
+# The shared libraries the binary links (its NEEDED entries): libssl3t64
+# (librdkafka's TLS), libcurl4t64 (OIDC token requests), libsasl2-2 (Cyrus
+# SASL); zlib and libgcc are in the base image. (Debian 13 renamed libssl3
+# and libcurl4 for its 64-bit time_t transition; the libraries, libssl.so.3
+# and libcurl.so.4, are the same, so a binary built on Debian 12 runs here.)
+# ca-certificates: to verify brokers', MongoDB's and the OIDC token
+# endpoint's certificates.
 # Kerberos (sasl.mechanism=GSSAPI) also needs, at run time only: the Cyrus
 # SASL GSSAPI plugin, which libsasl2 loads from a directory rather than
 # links (libsasl2-modules-gssapi-mit), and kinit (krb5-user), which
@@ -76,7 +85,7 @@ FROM debian:bookworm-slim
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
-        libssl3 libcurl4 libsasl2-2 ca-certificates \
+        libssl3t64 libcurl4t64 libsasl2-2 ca-certificates \
         libsasl2-modules-gssapi-mit krb5-user \
     && rm -rf /var/lib/apt/lists/*
 
