@@ -6,7 +6,7 @@
 //! from [`KnownKeys`]), and the missing records put back on their topic if
 //! asked.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -441,7 +441,7 @@ impl Check<'_> {
     }
 
     /// Every bucket holding each key the batch's trades may be stored
-    /// under, by slot ([`KnownKeys::slot`]): from buckets read before
+    /// under, by slot ([`Slots::slot`]): from buckets read before
     /// where keys are unique, the rest in one query.
     async fn lookup(
         &mut self,
@@ -450,6 +450,7 @@ impl Check<'_> {
     ) -> Result<HashMap<String, Vec<Arc<str>>>, ReconcileError> {
         let mut found: HashMap<String, Vec<Arc<str>>> = HashMap::new();
         let mut wanted: Vec<(CustomerId, String)> = Vec::new();
+        let mut asked: HashSet<String> = HashSet::new();
         for (r, keys) in batch.iter().zip(keys) {
             let Some((customer, _)) = &r.trade else {
                 continue;
@@ -463,13 +464,12 @@ impl Check<'_> {
                     Some(buckets) => found.insert(slot, buckets.to_vec()),
                     None => {
                         wanted.push((customer.clone(), k.clone()));
+                        asked.insert(slot.clone());
                         found.insert(slot, Vec::new())
                     }
                 };
             }
         }
-        let asked: std::collections::HashSet<String> =
-            wanted.iter().map(|(c, k)| self.slots.slot(c, k)).collect();
         let read = match self.known.as_mut() {
             Some(known) => {
                 let read = self
