@@ -1,6 +1,13 @@
-//! Liveness and readiness: state the worker loop and its MongoDB watcher
-//! update, and the HTTP endpoints read. Its own module so that neither side
-//! depends on the other.
+//! Liveness and readiness: state the worker's components write and the
+//! HTTP endpoints read. Its own module so that neither side depends on the
+//! other.
+//!
+//! The state is private; each writer has its own few methods, grouped
+//! below by component: the loop (`tick`, `subscribed`, `draining`,
+//! `records_skipped`), the write stage (`write_succeeded`, `write_failed`,
+//! `dead_letters_failing`), the MongoDB watcher (`mongodb_reachable`), the
+//! partition watcher (`stalled_partitions`) and librdkafka's statistics
+//! callback (`kafka_unreachable`, `group_unsettled`).
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,42 +21,71 @@ const WRITES_FAILING: &str = "MongoDB writes failing: being retried";
 #[derive(Debug, Default)]
 pub struct Health {
     /// Subscribed to the group (assigned partitions or waiting for them).
-    pub subscribed: AtomicBool,
+    subscribed: AtomicBool,
     /// The last MongoDB write succeeded.
-    pub mongodb_ok: AtomicBool,
+    mongodb_ok: AtomicBool,
     /// Why the last MongoDB write failed (a time limit that expired says
     /// which), while `mongodb_ok` is false.
-    pub mongodb_failure: Mutex<Option<String>>,
+    mongodb_failure: Mutex<Option<String>>,
     /// Kafka does not answer: no broker connection is up, or the group
     /// coordinator is lost, as librdkafka's statistics last said (see
     /// `kafka::link_failure`).
-    pub kafka_unreachable: Mutex<Option<String>>,
+    kafka_unreachable: Mutex<Option<String>>,
     /// The consumer group has rebalanced for longer than a rebalance can
     /// take, so this member is assigned nothing (see `kafka::group`).
-    pub group_unsettled: Mutex<Option<String>>,
+    group_unsettled: Mutex<Option<String>>,
     /// The last periodic ping succeeded (a worker with nothing to write
     /// would otherwise stay ready through a whole outage).
-    pub mongodb_reachable: AtomicBool,
+    mongodb_reachable: AtomicBool,
     /// The dead-letter topic refuses writes (other than for one record's
     /// size): the partition waits for it.
-    pub dead_letters_failing: AtomicBool,
+    dead_letters_failing: AtomicBool,
     /// The Kafka client skipped records it could not read: no offset is
     /// committed any more (see `Worker::consumer_error`).
-    pub records_skipped: AtomicBool,
+    records_skipped: AtomicBool,
     /// Assigned partitions with records waiting that the consumer has not
     /// read for `timeouts.partition_stall`, described for the operator.
-    pub stalled_partitions: Mutex<Vec<String>>,
+    stalled_partitions: Mutex<Vec<String>>,
     /// Shutting down: no new batches.
-    pub draining: AtomicBool,
+    draining: AtomicBool,
     /// Unix millis of the loop's last turn; a stale value means wedged.
-    pub last_tick_ms: AtomicU64,
+    last_tick_ms: AtomicU64,
 }
 
+/// A readiness reason set from outside the loop, compared with the one
+/// shown before: the caller logs when a reason appears or goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Appeared,
+    Cleared,
+    Same,
+}
+
+/// The loop's.
 impl Health {
+    /// The loop turned (liveness).
     pub fn tick(&self) {
         self.last_tick_ms.store(now_ms(), Ordering::Relaxed);
     }
 
+    /// Subscribed to the consumer group: ready from now on, reasons aside.
+    pub fn subscribed(&self) {
+        self.subscribed.store(true, Ordering::Relaxed);
+    }
+
+    /// Shutting down: not ready any more.
+    pub fn draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// The Kafka client skipped records: not ready until restarted.
+    pub fn records_skipped(&self) {
+        self.records_skipped.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The write stage's.
+impl Health {
     /// A MongoDB write failed; `reason` is what `/readyz` says until one
     /// succeeds.
     pub fn write_failed(&self, reason: String) {
@@ -59,11 +95,59 @@ impl Health {
         self.mongodb_ok.store(false, Ordering::Relaxed);
     }
 
-    /// A MongoDB write succeeded.
+    /// A MongoDB write succeeded (also said once at start, after the
+    /// indexes are created).
     pub fn write_succeeded(&self) {
         self.mongodb_ok.store(true, Ordering::Relaxed);
     }
 
+    /// Whether the dead-letter topic refuses writes.
+    pub fn dead_letters_failing(&self, failing: bool) {
+        self.dead_letters_failing.store(failing, Ordering::Relaxed);
+    }
+}
+
+/// The watchers' and librdkafka's statistics callback's.
+impl Health {
+    /// The MongoDB ping's result; `true` if that changed it.
+    pub fn mongodb_reachable(&self, ok: bool) -> bool {
+        self.mongodb_reachable.swap(ok, Ordering::Relaxed) != ok
+    }
+
+    /// The assigned partitions not being read, described for the operator.
+    pub fn stalled_partitions(&self, stalled: &[String]) {
+        if let Ok(mut shown) = self.stalled_partitions.lock() {
+            shown.clear();
+            shown.extend_from_slice(stalled);
+        }
+    }
+
+    /// Why Kafka does not answer, or `None` once it does.
+    pub fn kafka_unreachable(&self, why: Option<String>) -> Change {
+        replace(&self.kafka_unreachable, why)
+    }
+
+    /// Why the group is not settled, or `None` once it is.
+    pub fn group_unsettled(&self, why: Option<String>) -> Change {
+        replace(&self.group_unsettled, why)
+    }
+}
+
+fn replace(slot: &Mutex<Option<String>>, now: Option<String>) -> Change {
+    let Ok(mut shown) = slot.lock() else {
+        return Change::Same;
+    };
+    let change = match (&*shown, &now) {
+        (None, Some(_)) => Change::Appeared,
+        (Some(_), None) => Change::Cleared,
+        _ => Change::Same,
+    };
+    *shown = now;
+    change
+}
+
+/// What `/readyz` and `/healthz` read.
+impl Health {
     /// `Err(reason)` when the worker should not receive traffic.
     pub fn readiness(&self) -> Result<(), Cow<'static, str>> {
         self.fixed_readiness().map_err(Cow::Borrowed)?;
@@ -122,6 +206,13 @@ impl Health {
         }
     }
 
+    /// Makes the last tick ancient, so a test can see the loop tick again
+    /// (a paused tokio clock does not move the wall clock ticks record).
+    #[cfg(test)]
+    pub(crate) fn backdate_tick(&self) {
+        self.last_tick_ms.store(1, Ordering::Relaxed);
+    }
+
     /// `Err(reason)` when the loop has not turned for `stall`.
     pub fn liveness(&self, stall: Duration) -> Result<(), String> {
         let last = self.last_tick_ms.load(Ordering::Relaxed);
@@ -153,28 +244,28 @@ mod tests {
             h.readiness().unwrap_err(),
             "starting: not yet subscribed to the consumer group"
         );
-        h.subscribed.store(true, Ordering::Relaxed);
-        h.mongodb_reachable.store(true, Ordering::Relaxed);
+        h.subscribed();
+        h.mongodb_reachable(true);
         assert_eq!(
             h.readiness().unwrap_err(),
             "MongoDB writes failing: being retried"
         );
-        h.mongodb_ok.store(true, Ordering::Relaxed);
+        h.write_succeeded();
         assert_eq!(h.readiness(), Ok(()));
-        *h.stalled_partitions.lock().unwrap() = vec!["t/0 (3 records waiting unread)".into()];
+        h.stalled_partitions(&["t/0 (3 records waiting unread)".into()]);
         assert_eq!(
             h.readiness().unwrap_err(),
             "Kafka partitions not being read: t/0 (3 records waiting unread)"
         );
-        h.draining.store(true, Ordering::Relaxed);
+        h.draining();
         assert_eq!(h.readiness().unwrap_err(), "draining: shutting down");
     }
 
     #[test]
     fn readiness_says_why_writes_fail_and_that_kafka_is_silent() {
         let h = Health::default();
-        h.subscribed.store(true, Ordering::Relaxed);
-        h.mongodb_reachable.store(true, Ordering::Relaxed);
+        h.subscribed();
+        h.mongodb_reachable(true);
         h.write_failed("MongoDB writes failing: an update exceeded its 30s time limit".into());
         assert_eq!(
             h.readiness().unwrap_err(),
@@ -182,12 +273,12 @@ mod tests {
         );
         h.write_succeeded();
         assert_eq!(h.readiness(), Ok(()));
-        *h.kafka_unreachable.lock().unwrap() = Some("no broker connection is up".into());
+        h.kafka_unreachable(Some("no broker connection is up".into()));
         assert_eq!(
             h.readiness().unwrap_err(),
             "Kafka not answering: no broker connection is up"
         );
-        *h.kafka_unreachable.lock().unwrap() = None;
+        assert_eq!(h.kafka_unreachable(None), Change::Cleared);
         assert_eq!(h.readiness(), Ok(()));
     }
 
@@ -196,12 +287,12 @@ mod tests {
     #[test]
     fn readiness_says_every_reason_at_once() {
         let h = Health::default();
-        h.subscribed.store(true, Ordering::Relaxed);
-        h.mongodb_reachable.store(true, Ordering::Relaxed);
-        h.mongodb_ok.store(true, Ordering::Relaxed);
-        *h.kafka_unreachable.lock().unwrap() = Some("no broker connection is up".into());
-        *h.stalled_partitions.lock().unwrap() = vec!["t/0 (3 records waiting unread)".into()];
-        *h.group_unsettled.lock().unwrap() = Some("the consumer group has not settled".into());
+        h.subscribed();
+        h.mongodb_reachable(true);
+        h.write_succeeded();
+        h.kafka_unreachable(Some("no broker connection is up".into()));
+        h.stalled_partitions(&["t/0 (3 records waiting unread)".into()]);
+        h.group_unsettled(Some("the consumer group has not settled".into()));
         assert_eq!(
             h.readiness().unwrap_err(),
             "Kafka not answering: no broker connection is up; \

@@ -18,7 +18,7 @@ use rdkafka::statistics::Statistics;
 use rdkafka::TopicPartitionList;
 
 use crate::config::Settings;
-use crate::health::Health;
+use crate::health::{Change, Health};
 use crate::metrics::{CommitResult, Metrics, RebalanceKind, TimeoutOperation};
 use crate::offsets::TopicPartition;
 
@@ -179,7 +179,11 @@ impl ConsumerCtx {
             .map(|b| (b.name.as_str(), b.source.as_str(), b.state.as_str()));
         let failure = link_failure(brokers, stats.cgrp.as_ref().map(|g| g.state.as_str()));
         let said = ("Kafka not answering: not ready", "Kafka answering again");
-        show(&self.health.kafka_unreachable, failure, said);
+        show(
+            self.health.kafka_unreachable(failure.clone()),
+            failure,
+            said,
+        );
     }
 
     /// Sets `Health::group_unsettled` from one statistics report, and logs
@@ -196,7 +200,7 @@ impl ConsumerCtx {
             "consumer group stuck: not ready",
             "consumer group settled again",
         );
-        show(&self.health.group_unsettled, failure, said);
+        show(self.health.group_unsettled(failure.clone()), failure, said);
     }
 
     fn observe(&self, tp: &TopicPartition, p: &rdkafka::statistics::Partition) {
@@ -237,18 +241,14 @@ impl ConsumerCtx {
     }
 }
 
-/// Puts a readiness reason where `/readyz` reads it, logging when it
-/// appears (`said.0`, with the reason) and when it goes (`said.1`).
-fn show(slot: &Mutex<Option<String>>, failure: Option<String>, said: (&str, &str)) {
-    let Ok(mut shown) = slot.lock() else {
-        return;
-    };
-    match (&*shown, &failure) {
-        (None, Some(why)) => tracing::warn!(reason = %why, "{}", said.0),
-        (Some(_), None) => tracing::info!("{}", said.1),
+/// Logs a readiness reason set by the statistics when it appears
+/// (`said.0`, with the reason) and when it goes (`said.1`).
+fn show(change: Change, failure: Option<String>, said: (&str, &str)) {
+    match (change, failure) {
+        (Change::Appeared, Some(why)) => tracing::warn!(reason = %why, "{}", said.0),
+        (Change::Cleared, _) => tracing::info!("{}", said.1),
         _ => {}
     }
-    *shown = failure;
 }
 
 fn partitions(tpl: &TopicPartitionList) -> Vec<TopicPartition> {

@@ -106,3 +106,68 @@ pub fn timed_out(e: &KafkaError) -> bool {
         )
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The loop acts on the class alone (`pipeline::seams::ConsumerError`),
+    /// so the class of each error the loop's tests stand for is pinned
+    /// here.
+    #[test]
+    fn consumer_errors_are_classed_by_what_the_loop_does_about_them() {
+        use ConsumerErrorKind as K;
+        use RDKafkaErrorCode as C;
+        let cases = [
+            (KafkaError::MessageConsumptionFatal(C::Fatal), K::Fatal),
+            (KafkaError::MessageConsumption(C::Fatal), K::Fatal),
+            (
+                KafkaError::MessageConsumption(C::BrokerTransportFailure),
+                K::Transport,
+            ),
+            (
+                KafkaError::MessageConsumption(C::AllBrokersDown),
+                K::Transport,
+            ),
+            (
+                KafkaError::MessageConsumption(C::BadMessage),
+                K::SkippedRecords,
+            ),
+            (
+                KafkaError::MessageConsumption(C::NotImplemented),
+                K::SkippedRecords,
+            ),
+            (
+                KafkaError::MessageConsumption(C::AutoOffsetReset),
+                K::OffsetReset,
+            ),
+            (
+                KafkaError::MessageConsumption(C::UnknownTopicOrPartition),
+                K::UnknownTopicOrPartition,
+            ),
+            (
+                KafkaError::MessageConsumption(C::TopicAuthorizationFailed),
+                K::Authorization,
+            ),
+            (KafkaError::MessageConsumption(C::InvalidMessage), K::Other),
+        ];
+        for (e, kind) in cases {
+            assert_eq!(consumer_error_kind(&e), kind, "{e}");
+        }
+    }
+
+    #[test]
+    fn only_expired_time_limits_are_timeouts() {
+        let timed_out_codes = [
+            RDKafkaErrorCode::RequestTimedOut,
+            RDKafkaErrorCode::OperationTimedOut,
+            RDKafkaErrorCode::MessageTimedOut,
+        ];
+        for code in timed_out_codes {
+            assert!(timed_out(&KafkaError::MessageProduction(code)), "{code:?}");
+        }
+        let refused = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
+        assert!(!timed_out(&refused));
+        assert!(!timed_out(&KafkaError::Canceled));
+    }
+}

@@ -4,7 +4,6 @@
 //! readiness current apart from the loop: MongoDB reachable, Kafka
 //! partitions read.
 
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -16,7 +15,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 
-use super::seams::{BucketSink, DeadLetterSink, Intake, Record};
+use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record, SendError};
 use crate::bucket::store::{BucketStore, StoreError};
 use crate::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use crate::config::{Settings, TimeoutSettings};
@@ -62,8 +61,11 @@ impl KafkaIntake {
 }
 
 impl Intake for KafkaIntake {
-    async fn recv(&mut self) -> Result<Record, KafkaError> {
-        let m = self.consumer.recv().await?;
+    async fn recv(&mut self) -> Result<Record, ConsumerError> {
+        let m = self.consumer.recv().await.map_err(|e| ConsumerError {
+            kind: kafka::consumer_error_kind(&e),
+            message: e.to_string(),
+        })?;
         Ok(Record {
             tp: (m.topic().to_string(), m.partition()),
             offset: m.offset(),
@@ -78,7 +80,11 @@ impl Intake for KafkaIntake {
         self.events.try_iter().collect()
     }
 
-    fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: CommitMode) {
+    fn commit(&mut self, offsets: &[(TopicPartition, i64)], commit: Commit) {
+        let mode = match commit {
+            Commit::Sync => CommitMode::Sync,
+            Commit::Async => CommitMode::Async,
+        };
         if !offsets.is_empty() {
             let mut tpl = TopicPartitionList::new();
             for ((topic, partition), next) in offsets {
@@ -178,7 +184,7 @@ impl KafkaDeadLetters {
 }
 
 impl DeadLetterSink for KafkaDeadLetters {
-    async fn send(&self, dead: &DeadLetter) -> Result<(), KafkaError> {
+    async fn send(&self, dead: &DeadLetter) -> Result<(), SendError> {
         let topic = self.settings.dlq_topic_for(&dead.topic);
         let (generation, producer) = match self.producer.read() {
             Ok(p) => p.clone(),
@@ -191,10 +197,21 @@ impl DeadLetterSink for KafkaDeadLetters {
             self.settings.timeouts.dead_letter_delivery,
         )
         .await;
-        if let Err(e) = &result {
-            self.replace_after_fatal(e, generation);
-        }
-        result
+        result.map_err(|e| {
+            self.replace_after_fatal(&e, generation);
+            send_error(e)
+        })
+    }
+}
+
+/// The class of a dead letter's failure, which the stage acts on.
+fn send_error(e: KafkaError) -> SendError {
+    if DeadLetter::is_size_refusal(&e) {
+        SendError::TooLarge(e.to_string())
+    } else if kafka::timed_out(&e) {
+        SendError::TimedOut(e.to_string())
+    } else {
+        SendError::Failed(e.to_string())
     }
 }
 
@@ -231,7 +248,7 @@ pub(crate) async fn watch_mongodb(
             metrics.timeout(TimeoutOperation::MongodbPing).inc();
         }
         let ok = matches!(ping, Ok(Ok(())));
-        if health.mongodb_reachable.swap(ok, Ordering::Relaxed) != ok {
+        if health.mongodb_reachable(ok) {
             if ok {
                 tracing::info!("MongoDB reachable again");
             } else {
@@ -274,9 +291,7 @@ pub(crate) async fn watch_partitions(
             log_stalls(&found, reported.is_empty());
         }
         metrics.stalled_partitions.set(found.len() as i64);
-        if let Ok(mut shown) = health.stalled_partitions.lock() {
-            shown.clone_from(&now);
-        }
+        health.stalled_partitions(&now);
         reported = now;
     }
 }
@@ -314,5 +329,24 @@ fn log_stalls(found: &[stall::Stalled], first: bool) {
             new = first,
             "Kafka partitions with records waiting are not being read (see the consumer errors logged)"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_letters_failure_is_classed_for_the_stage() {
+        let size = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
+        assert!(matches!(send_error(size), SendError::TooLarge(_)));
+        let late = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
+        assert!(matches!(send_error(late), SendError::TimedOut(_)));
+        let other = KafkaError::MessageProduction(RDKafkaErrorCode::TopicAuthorizationFailed);
+        assert!(matches!(send_error(other), SendError::Failed(_)));
+        assert!(matches!(
+            send_error(KafkaError::Canceled),
+            SendError::Failed(_)
+        ));
     }
 }

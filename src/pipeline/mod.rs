@@ -13,7 +13,6 @@
 //! its timing and ordering rules are unit-tested on a paused clock
 //! (`tests.rs`); [`adapters`] has the production implementations.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -77,8 +76,8 @@ impl Pipeline {
         if !create_indexes(&store, &settings, shutdown).await? {
             return Ok(None);
         }
-        health.mongodb_ok.store(true, Ordering::Relaxed);
-        health.mongodb_reachable.store(true, Ordering::Relaxed);
+        health.write_succeeded();
+        health.mongodb_reachable(true);
         tokio::spawn(watch_mongodb(
             store.clone(),
             health.clone(),
@@ -102,7 +101,7 @@ impl Pipeline {
             shutdown.clone(),
         ));
         let intake = KafkaIntake::new(group, metrics.clone());
-        health.subscribed.store(true, Ordering::Relaxed);
+        health.subscribed();
         health.tick();
         let worker = Worker::new(settings, intake, writer, dead_letters, metrics, health);
         Ok(Some(Pipeline(worker)))

@@ -6,17 +6,56 @@
 //! real-server suites test the adapters and the whole.
 //!
 //! The traits are crate-private and used with concrete types only, so their
-//! `async fn`s need no `Send` bound of their own.
+//! `async fn`s need no `Send` bound of their own. They speak the product's
+//! types, not librdkafka's: the adapters classify a client error once, where
+//! it is read, and the loop decides on the class.
 
-use rdkafka::consumer::CommitMode;
-use rdkafka::error::KafkaError;
+use std::fmt;
 
 use crate::bucket::store::StoreError;
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::event::{Source, Trade};
 use crate::kafka::headers::Header;
 use crate::kafka::{DeadLetter, GroupEvent};
+use crate::metrics::ConsumerErrorKind;
 use crate::offsets::TopicPartition;
+
+/// A consumer error: its class (what the loop does about it, and the
+/// metric label) and the client's words (for the log).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ConsumerError {
+    pub kind: ConsumerErrorKind,
+    pub message: String,
+}
+
+impl fmt::Display for ConsumerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// How a commit waits: `Sync` (the last one, at shutdown) until the group
+/// coordinator answers, `Async` (every other) not at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Commit {
+    Sync,
+    Async,
+}
+
+/// Why a dead letter was not acknowledged.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum SendError {
+    /// The dead-letter topic refused it for its size: it would never fit,
+    /// so it is sent again at once, shortened.
+    #[error("too large for the dead-letter topic: {0}")]
+    TooLarge(String),
+    /// Not acknowledged within `timeouts.dead_letter_delivery`.
+    #[error("not acknowledged in time: {0}")]
+    TimedOut(String),
+    /// Any other refusal or failure: retried.
+    #[error("{0}")]
+    Failed(String),
+}
 
 /// A consumed record, detached from the consumer's buffer.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,7 +86,7 @@ pub(crate) trait Intake {
     /// The next record, or a consumer error to report. Must be cancel-safe:
     /// the loop races it against its writes and timers, and polls it once
     /// without waiting to learn whether anything is queued.
-    async fn recv(&mut self) -> Result<Record, KafkaError>;
+    async fn recv(&mut self) -> Result<Record, ConsumerError>;
 
     /// Assignment changes since the last call, in order.
     fn group_events(&mut self) -> Vec<GroupEvent>;
@@ -56,7 +95,7 @@ pub(crate) trait Intake {
     /// commits. With nothing to store, a `Sync` commit still commits what
     /// was stored before (the last one, at shutdown); an `Async` one does
     /// nothing.
-    fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: CommitMode);
+    fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: Commit);
 
     /// Stops fetching these partitions; the consumer must still be polled
     /// (`recv`), which keeps the member in its group. Records delivered
@@ -89,5 +128,5 @@ pub(crate) trait BucketSink {
 /// Where bad events go: the dead-letter topic.
 pub(crate) trait DeadLetterSink {
     /// Sends one dead letter and waits for its acknowledgement.
-    async fn send(&self, dead: &DeadLetter) -> Result<(), KafkaError>;
+    async fn send(&self, dead: &DeadLetter) -> Result<(), SendError>;
 }

@@ -8,13 +8,10 @@
 //! One stage, one batch at a time, is what keeps each customer's order:
 //! batch k+1's trades are written only after batch k's are settled.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use rdkafka::error::KafkaError;
-
-use super::seams::{BucketSink, DeadLetterSink, Record};
+use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
 use super::{error_chain, HOT_LOG_EVERY};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
@@ -181,7 +178,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
             for (dl, r) in todo.into_iter().zip(results) {
                 match r {
                     Ok(()) => self.dead_lettered(&dl),
-                    Err(e) if DeadLetter::is_size_refusal(&e) && dl.shortened.is_none() => {
+                    Err(SendError::TooLarge(_)) if dl.shortened.is_none() => {
                         tracing::warn!(topic = %dl.topic, partition = dl.partition, offset = dl.offset,
                             "dead letter too large for the dead-letter topic; sending it shortened");
                         shortened.push(dl.shortened());
@@ -192,9 +189,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
                     }
                 }
             }
-            self.health
-                .dead_letters_failing
-                .store(!failed.is_empty(), Ordering::Relaxed);
+            self.health.dead_letters_failing(!failed.is_empty());
             if !failed.is_empty() {
                 self.dead_letter_retry(failed.len(), last_error, &mut backoff)
                     .await;
@@ -207,11 +202,11 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     async fn dead_letter_retry(
         &mut self,
         failed: usize,
-        error: Option<KafkaError>,
+        error: Option<SendError>,
         backoff: &mut Backoff,
     ) {
         self.metrics.retry(RetryKind::DeadLetter).inc();
-        if error.as_ref().is_some_and(kafka::timed_out) {
+        if matches!(error, Some(SendError::TimedOut(_))) {
             self.metrics.timeout(TimeoutOperation::DeadLetter).inc();
         }
         let wait = backoff.next_wait();

@@ -4,18 +4,14 @@
 //! straight to the next timer, so the times asserted here are exact.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rdkafka::consumer::CommitMode;
-use rdkafka::error::KafkaError;
-use rdkafka::types::RDKafkaErrorCode;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::seams::{BucketSink, DeadLetterSink, Intake, Record};
+use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record, SendError};
 use super::{PipelineError, Worker};
 use crate::bucket::store::StoreError;
 use crate::bucket::writer::{Outcome, WriteStats};
@@ -23,7 +19,7 @@ use crate::config::Settings;
 use crate::event::{Source, Trade};
 use crate::health::Health;
 use crate::kafka::{DeadLetter, GroupEvent};
-use crate::metrics::Metrics;
+use crate::metrics::{ConsumerErrorKind, Metrics};
 use crate::offsets::TopicPartition;
 
 const LINGER: Duration = Duration::from_millis(50);
@@ -35,7 +31,7 @@ struct Seen {
     /// Each write attempt: when, and the offsets of its events.
     writes: Vec<(Duration, Vec<i64>)>,
     /// Each commit that named offsets (or was `Sync`): when, what, how.
-    commits: Vec<Commit>,
+    commits: Vec<Committed>,
     /// Each dead-letter send attempt: when, and the source offset.
     dead_letters: Vec<(Duration, i64)>,
     /// Each pause (`true`) and resume: when, which partitions.
@@ -50,20 +46,21 @@ struct Seen {
 type Shared = Arc<Mutex<Seen>>;
 
 /// When a commit was made, the offsets it named, and how.
-type Commit = (Duration, Vec<(TopicPartition, i64)>, Mode);
+type Committed = (Duration, Vec<(TopicPartition, i64)>, Commit);
 
-/// `CommitMode`, comparable.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Mode {
-    Async,
-    Sync,
+/// A consumer error of this class.
+fn consumer_error(kind: ConsumerErrorKind) -> ConsumerError {
+    ConsumerError {
+        kind,
+        message: format!("a {} error", kind.as_str()),
+    }
 }
 
 struct FakeIntake {
-    records: UnboundedReceiver<Result<Record, KafkaError>>,
+    records: UnboundedReceiver<Result<Record, ConsumerError>>,
     /// Records of a partition assigned but not yet paused: delivered even
     /// while the consumer is paused.
-    strays: UnboundedReceiver<Result<Record, KafkaError>>,
+    strays: UnboundedReceiver<Result<Record, ConsumerError>>,
     events: Arc<Mutex<Vec<GroupEvent>>>,
     seen: Shared,
     start: Instant,
@@ -71,7 +68,7 @@ struct FakeIntake {
 }
 
 impl Intake for FakeIntake {
-    async fn recv(&mut self) -> Result<Record, KafkaError> {
+    async fn recv(&mut self) -> Result<Record, ConsumerError> {
         {
             let mut seen = self.seen.lock().unwrap();
             seen.polls += 1;
@@ -96,14 +93,10 @@ impl Intake for FakeIntake {
         std::mem::take(&mut *self.events.lock().unwrap())
     }
 
-    fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: CommitMode) {
-        if !offsets.is_empty() || matches!(mode, CommitMode::Sync) {
+    fn commit(&mut self, offsets: &[(TopicPartition, i64)], mode: Commit) {
+        if !offsets.is_empty() || mode == Commit::Sync {
             let at = self.start.elapsed();
             let mut seen = self.seen.lock().unwrap();
-            let mode = match mode {
-                CommitMode::Sync => Mode::Sync,
-                CommitMode::Async => Mode::Async,
-            };
             seen.commits.push((at, offsets.to_vec(), mode));
         }
     }
@@ -172,7 +165,7 @@ struct FakeDeadLetters {
 }
 
 impl DeadLetterSink for FakeDeadLetters {
-    async fn send(&self, dead: &DeadLetter) -> Result<(), KafkaError> {
+    async fn send(&self, dead: &DeadLetter) -> Result<(), SendError> {
         let at = self.start.elapsed();
         self.seen
             .lock()
@@ -180,14 +173,12 @@ impl DeadLetterSink for FakeDeadLetters {
             .dead_letters
             .push((at, dead.offset));
         if dead.payload.as_ref().map_or(0, Vec::len) > self.max_payload {
-            return Err(KafkaError::MessageProduction(
-                RDKafkaErrorCode::MessageSizeTooLarge,
-            ));
+            return Err(SendError::TooLarge("Broker: Message size too large".into()));
         }
         let mut failures = self.failures.lock().unwrap();
         if *failures > 0 {
             *failures -= 1;
-            return Err(KafkaError::Canceled);
+            return Err(SendError::Failed("Operation canceled".into()));
         }
         Ok(())
     }
@@ -195,8 +186,8 @@ impl DeadLetterSink for FakeDeadLetters {
 
 /// A worker over the stand-ins, running on its own task.
 struct Harness {
-    records: UnboundedSender<Result<Record, KafkaError>>,
-    strays: UnboundedSender<Result<Record, KafkaError>>,
+    records: UnboundedSender<Result<Record, ConsumerError>>,
+    strays: UnboundedSender<Result<Record, ConsumerError>>,
     events: Arc<Mutex<Vec<GroupEvent>>>,
     seen: Shared,
     health: Arc<Health>,
@@ -267,8 +258,8 @@ impl Harness {
             start,
         };
         let health = Arc::new(Health::default());
-        health.subscribed.store(true, Ordering::Relaxed);
-        health.mongodb_reachable.store(true, Ordering::Relaxed);
+        health.subscribed();
+        health.mongodb_reachable(true);
         let mut settings = settings(o.max_events, o.max_bytes);
         if let Some(n) = o.max_in_flight {
             settings.batch.max_in_flight = n;
@@ -332,7 +323,7 @@ impl Harness {
         self.seen.lock().unwrap().writes.clone()
     }
 
-    fn commits(&self) -> Vec<Commit> {
+    fn commits(&self) -> Vec<Committed> {
         self.seen.lock().unwrap().commits.clone()
     }
 
@@ -433,7 +424,7 @@ async fn a_failed_write_is_retried_with_backoff_and_not_committed_until_it_succe
     assert_eq!(attempts, vec![ms(0), ms(100), ms(300), ms(700)]);
     assert_eq!(
         h.commits(),
-        vec![(ms(700), vec![(tp(0), 5)], Mode::Async)],
+        vec![(ms(700), vec![(tp(0), 5)], Commit::Async)],
         "one commit, after the successful attempt, of the next offset to read"
     );
     h.stop().await;
@@ -466,13 +457,13 @@ async fn commits_wait_for_dead_letters_and_name_the_contiguous_prefix() {
     assert_eq!(dead, vec![(ms(0), 2), (ms(100), 2), (ms(300), 2)]);
     assert_eq!(
         h.commits(),
-        vec![(ms(300), vec![(tp(0), 4), (tp(1), 2)], Mode::Async)]
+        vec![(ms(300), vec![(tp(0), 4), (tp(1), 2)], Commit::Async)]
     );
 
     // A later batch moves each partition on from where it was.
     h.send(1, [2], true);
     h.until(ms(2000)).await;
-    assert_eq!(h.commits()[1], (ms(1000), vec![(tp(1), 3)], Mode::Async));
+    assert_eq!(h.commits()[1], (ms(1000), vec![(tp(1), 3)], Commit::Async));
     h.stop().await;
 }
 
@@ -487,7 +478,7 @@ async fn a_revoked_partition_is_written_but_committed_only_by_its_owner() {
         .push(GroupEvent::Revoked(vec![tp(1)]));
     h.until(ms(100)).await;
     assert_eq!(h.writes(), vec![(ms(0), vec![0, 1, 0, 1])]);
-    assert_eq!(h.commits(), vec![(ms(0), vec![(tp(0), 2)], Mode::Async)]);
+    assert_eq!(h.commits(), vec![(ms(0), vec![(tp(0), 2)], Commit::Async)]);
     h.stop().await;
 }
 
@@ -515,7 +506,7 @@ async fn drain_abandons_a_stuck_batch_at_its_deadline_without_committing_it() {
     assert!(seen.left, "left the group");
     assert_eq!(
         seen.commits,
-        vec![(ms(1000) + DRAIN, vec![], Mode::Sync)],
+        vec![(ms(1000) + DRAIN, vec![], Commit::Sync)],
         "only the final commit, with nothing of the abandoned batch"
     );
 }
@@ -537,8 +528,8 @@ async fn a_batch_finishing_within_the_drain_is_committed_at_shutdown() {
     assert_eq!(
         seen.commits,
         vec![
-            (ms(2000), vec![(tp(0), 3)], Mode::Async),
-            (ms(2000), vec![], Mode::Sync),
+            (ms(2000), vec![(tp(0), 3)], Commit::Async),
+            (ms(2000), vec![], Commit::Sync),
         ]
     );
 }
@@ -589,7 +580,7 @@ async fn a_dead_letter_too_large_for_its_topic_goes_shortened_at_once() {
         vec![(ms(0), 0), (ms(0), 0)],
         "refused for its size, then sent shortened without waiting"
     );
-    assert_eq!(h.commits(), vec![(ms(0), vec![(tp(0), 2)], Mode::Async)]);
+    assert_eq!(h.commits(), vec![(ms(0), vec![(tp(0), 2)], Commit::Async)]);
     assert_eq!(h.health.readiness(), Ok(()));
     h.stop().await;
 }
@@ -599,12 +590,12 @@ async fn a_fatal_consumer_error_ends_the_loop_with_an_error_after_the_batch_in_h
     let h = Harness::start(Options::default(), &[0]);
     h.send(0, 0..2, true);
     // A transient one is counted and the loop goes on.
-    let transient = KafkaError::MessageConsumption(RDKafkaErrorCode::BrokerTransportFailure);
+    let transient = consumer_error(ConsumerErrorKind::Transport);
     h.records.send(Err(transient)).unwrap();
     h.until(ms(100)).await;
     assert_eq!(h.commits().len(), 1);
     h.send(0, [2], true);
-    let fatal = KafkaError::MessageConsumptionFatal(RDKafkaErrorCode::Fatal);
+    let fatal = consumer_error(ConsumerErrorKind::Fatal);
     h.records.send(Err(fatal)).unwrap();
     let result = h.handle.await.unwrap();
     assert!(
@@ -616,8 +607,8 @@ async fn a_fatal_consumer_error_ends_the_loop_with_an_error_after_the_batch_in_h
     assert_eq!(
         seen.commits[seen.commits.len() - 2..],
         [
-            (ms(100), vec![(tp(0), 3)], Mode::Async),
-            (ms(100), vec![], Mode::Sync)
+            (ms(100), vec![(tp(0), 3)], Commit::Async),
+            (ms(100), vec![], Commit::Sync)
         ],
         "the batch in hand is written and committed before the exit"
     );
@@ -631,7 +622,7 @@ async fn a_fatal_consumer_error_ends_the_loop_with_an_error_after_the_batch_in_h
 async fn records_the_client_skipped_stop_every_commit_past_them() {
     let h = Harness::start(Options::default(), &[0, 1]);
     h.send(0, 0..3, true);
-    let skipped = KafkaError::MessageConsumption(RDKafkaErrorCode::BadMessage);
+    let skipped = consumer_error(ConsumerErrorKind::SkippedRecords);
     h.records.send(Err(skipped)).unwrap();
     h.send(0, 4..6, true);
     h.send(1, 0..2, true);
@@ -665,11 +656,13 @@ async fn liveness_ticks_while_a_batch_is_written() {
     h.until(ms(500)).await;
     assert_eq!(h.writes().len(), 1, "the write is under way");
     // The paused clock does not move the wall clock the tick records, so
-    // mark the tick and look for a fresh one.
-    h.health.last_tick_ms.store(1, Ordering::Relaxed);
+    // make the tick stale and look for a fresh one.
+    let stall = Duration::from_secs(60);
+    h.health.backdate_tick();
+    assert!(h.health.liveness(stall).is_err());
     h.until(Duration::from_secs(5)).await;
     assert!(h.commits().is_empty(), "still writing");
-    assert_ne!(h.health.last_tick_ms.load(Ordering::Relaxed), 1);
+    assert!(h.health.liveness(stall).is_ok(), "the loop ticked");
     h.stop().await;
 }
 
@@ -692,7 +685,7 @@ async fn commits_follow_the_batches_in_order_with_two_in_flight() {
     h.until(ms(150)).await;
     assert_eq!(
         h.commits(),
-        vec![(ms(100), vec![(tp(0), 3)], Mode::Async)],
+        vec![(ms(100), vec![(tp(0), 3)], Commit::Async)],
         "the first batch commits up to its own end, not past the second's records"
     );
     h.until(ms(300)).await;
@@ -700,7 +693,7 @@ async fn commits_follow_the_batches_in_order_with_two_in_flight() {
         h.writes(),
         vec![(ms(0), vec![0, 1, 2]), (ms(100), vec![3, 4, 5])]
     );
-    assert_eq!(h.commits()[1], (ms(200), vec![(tp(0), 6)], Mode::Async));
+    assert_eq!(h.commits()[1], (ms(200), vec![(tp(0), 6)], Commit::Async));
     h.stop().await;
 }
 
@@ -726,7 +719,10 @@ async fn a_partition_revoked_during_its_write_is_written_and_not_committed() {
         .push(GroupEvent::Revoked(vec![tp(1)]));
     h.until(ms(200)).await;
     assert_eq!(h.writes().len(), 1, "written once, to the end");
-    assert_eq!(h.commits(), vec![(ms(100), vec![(tp(0), 2)], Mode::Async)]);
+    assert_eq!(
+        h.commits(),
+        vec![(ms(100), vec![(tp(0), 2)], Commit::Async)]
+    );
     h.stop().await;
 }
 

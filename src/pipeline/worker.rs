@@ -20,22 +20,19 @@
 
 use std::collections::{BTreeSet, VecDeque};
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use rdkafka::consumer::CommitMode;
-use rdkafka::error::KafkaError;
 use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
 
-use super::seams::{BucketSink, DeadLetterSink, Intake, Record};
+use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record};
 use super::stage::{decode_batch, Closed, Done, Stage};
 use super::{PipelineError, HOT_LOG_EVERY, IDLE_TICK};
 use crate::config::Settings;
 use crate::health::{now_ms, Health};
-use crate::kafka::{self, GroupEvent};
+use crate::kafka::GroupEvent;
 use crate::metrics::{ConsumerErrorKind, Metrics, SkipReason};
 use crate::offsets::{OffsetTracker, TopicPartition};
 use crate::ratelimit::RateLimit;
@@ -77,7 +74,7 @@ enum Hold {
 enum Wake<B, D> {
     /// Boxed: the stage (settings, clients) dwarfs the other variants.
     Written(Box<Stage<B, D>>, Done),
-    Received(Result<Record, KafkaError>),
+    Received(Result<Record, ConsumerError>),
     DrainOver,
     Tick,
 }
@@ -168,7 +165,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             if stopping {
                 self.close();
                 if shutdown.is_cancelled() && drain_until.is_none() {
-                    self.health.draining.store(true, Ordering::Relaxed);
+                    self.health.draining();
                     drain_until = Some(TokioInstant::now() + self.settings.shutdown.drain_timeout);
                 }
             } else {
@@ -213,8 +210,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
 
     /// The final commit and leaving the group.
     fn stop(mut self) -> Result<(), PipelineError> {
-        self.health.draining.store(true, Ordering::Relaxed);
-        self.commit(CommitMode::Sync);
+        self.health.draining();
+        self.commit(Commit::Sync);
         self.intake.leave();
         if let Some(fatal) = self.fatal.take() {
             return Err(PipelineError::FatalConsumer(fatal));
@@ -282,7 +279,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         self.open.since.is_some_and(|t| t.elapsed() >= linger)
     }
 
-    fn received(&mut self, r: Result<Record, KafkaError>) {
+    fn received(&mut self, r: Result<Record, ConsumerError>) {
         match r {
             Ok(record) => {
                 self.tracker.consumed(&record.tp, record.offset);
@@ -354,7 +351,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         for r in &done.records {
             self.tracker.handled(&r.tp, r.offset);
         }
-        self.commit(CommitMode::Async);
+        self.commit(Commit::Async);
         self.observe(&done);
     }
 
@@ -405,8 +402,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// librdkafka reconnects by itself. An offset reset means records were
     /// skipped or will be read again: an operator must know, so it is
     /// logged at error.
-    fn consumer_error(&mut self, e: &KafkaError) {
-        let kind = kafka::consumer_error_kind(e);
+    fn consumer_error(&mut self, e: &ConsumerError) {
+        let kind = e.kind;
         self.metrics.consumer_error(kind).inc();
         let admitted = self.consumer_error_log.admit(Instant::now());
         match (kind, admitted) {
@@ -431,13 +428,13 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// commit could pass records neither stored nor dead-lettered. Writing
     /// goes on (a replay is harmless); readiness says why, and an operator
     /// decides (docs/operations.md, TradebucketRecordsSkipped).
-    fn records_skipped(&mut self, e: &KafkaError) {
+    fn records_skipped(&mut self, e: &ConsumerError) {
         tracing::error!(
             error = %e,
             "the Kafka client skipped records it could not read: offsets are no longer committed past them"
         );
         self.tracker.freeze();
-        self.health.records_skipped.store(true, Ordering::Relaxed);
+        self.health.records_skipped();
     }
 
     /// Follows the assignment. After a revocation, the stage forgets its
@@ -478,7 +475,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
 
     /// Commits the offsets that advanced, for the partitions we own.
     /// `Sync` at shutdown.
-    fn commit(&mut self, mode: CommitMode) {
+    fn commit(&mut self, mode: Commit) {
         // Rebalance callbacks may have run since the last look.
         self.apply_group_events();
         // Progress on partitions given away belongs to their new owner,
