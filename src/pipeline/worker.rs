@@ -70,6 +70,74 @@ enum Hold {
     Paused(BTreeSet<TopicPartition>),
 }
 
+/// Where the loop is in its life. It only moves down this list.
+#[derive(Debug, PartialEq)]
+enum Phase {
+    /// Taking records and writing them.
+    Running,
+    /// A fatal consumer error: no more records; the batches in hand are
+    /// written, then the loop ends with this error (the process exits
+    /// non-zero, to be restarted).
+    Failing(String),
+    /// Shutdown was asked: no more records; the batches in hand are written
+    /// until `deadline` (`shutdown.drain_timeout`), then abandoned. A fatal
+    /// error seen before is still returned.
+    Draining {
+        deadline: TokioInstant,
+        fatal: Option<String>,
+    },
+}
+
+impl Phase {
+    /// Whether records are taken.
+    fn running(&self) -> bool {
+        matches!(self, Phase::Running)
+    }
+
+    /// The fatal error, if any: the loop stops.
+    fn fail(&mut self, error: String) {
+        match self {
+            Phase::Running => *self = Phase::Failing(error),
+            Phase::Draining { fatal, .. } => {
+                fatal.get_or_insert(error);
+            }
+            Phase::Failing(_) => {}
+        }
+    }
+
+    /// Shutdown was asked; `true` the first time.
+    fn drain(&mut self, timeout: Duration) -> bool {
+        let fatal = match std::mem::replace(self, Phase::Running) {
+            Phase::Running => None,
+            Phase::Failing(e) => Some(e),
+            draining @ Phase::Draining { .. } => {
+                *self = draining;
+                return false;
+            }
+        };
+        let deadline = TokioInstant::now() + timeout;
+        *self = Phase::Draining { deadline, fatal };
+        true
+    }
+
+    fn deadline(&self) -> Option<TokioInstant> {
+        match self {
+            Phase::Draining { deadline, .. } => Some(*deadline),
+            Phase::Running | Phase::Failing(_) => None,
+        }
+    }
+
+    /// How the loop ends once it has stopped.
+    fn end(self) -> Result<(), PipelineError> {
+        match self {
+            Phase::Failing(e) | Phase::Draining { fatal: Some(e), .. } => {
+                Err(PipelineError::FatalConsumer(e))
+            }
+            Phase::Running | Phase::Draining { fatal: None, .. } => Ok(()),
+        }
+    }
+}
+
 /// What woke the loop.
 enum Wake<B, D> {
     /// Boxed: the stage (settings, clients) dwarfs the other variants.
@@ -84,9 +152,10 @@ enum Wake<B, D> {
 pub(crate) struct Worker<I, B, D> {
     settings: Settings,
     intake: I,
-    /// The write stage while idle; `None` while its future (a local of
-    /// `run`, so that its type stays concrete and `Send` where B and D are)
-    /// holds it.
+    phase: Phase,
+    /// The write stage while idle; `None` while it writes: its future (a
+    /// local of `run`, so that its type stays concrete and `Send` where B
+    /// and D are) holds it then.
     stage: Option<Stage<B, D>>,
     open: Open,
     /// Closed batches waiting for the stage, oldest first.
@@ -103,8 +172,6 @@ pub(crate) struct Worker<I, B, D> {
     /// A revocation since the last dispatch: the stage forgets its cached
     /// buckets before its next batch (see `Stage::handle`).
     forget: bool,
-    /// A fatal consumer error: the loop ends after the batches in hand.
-    fatal: Option<String>,
     consumer_error_log: Throttle,
     /// `rate_limit.events_per_second`, reserved for each batch before it
     /// goes to the stage.
@@ -141,7 +208,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             metrics,
             health,
             forget: false,
-            fatal: None,
+            phase: Phase::Running,
             consumer_error_log: Throttle::new(HOT_LOG_EVERY),
             rate_limit: RateLimit::new(settings.rate_limit.events_per_second),
             write_at: None,
@@ -156,35 +223,34 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), PipelineError> {
         let mut ticker = tokio::time::interval(IDLE_TICK);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut drain_until: Option<TokioInstant> = None;
         let mut writing = None;
         loop {
             self.health.tick();
             self.apply_group_events();
-            let stopping = shutdown.is_cancelled() || self.fatal.is_some();
-            if stopping {
-                self.close();
-                if shutdown.is_cancelled() && drain_until.is_none() {
-                    self.health.draining();
-                    drain_until = Some(TokioInstant::now() + self.settings.shutdown.drain_timeout);
-                }
-            } else {
+            if shutdown.is_cancelled() && self.phase.drain(self.settings.shutdown.drain_timeout) {
+                self.health.draining();
+            }
+            let running = self.phase.running();
+            if running {
                 self.fill();
+            } else {
+                self.close();
             }
             if let Some((stage, batch, forget)) = self.dispatch() {
                 writing = Some(Box::pin(stage.handle(batch, forget)));
             }
-            if stopping && self.stage.is_some() && self.queued.is_empty() {
+            if !running && self.stage.is_some() && self.queued.is_empty() {
                 break;
             }
-            let polling = !stopping && self.hold_or_release();
+            let polling = running && self.hold_or_release();
+            let deadline = self.phase.deadline();
             let wake = tokio::select! {
                 biased;
-                (stage, done) = running(&mut writing) => Wake::Written(Box::new(stage), done),
-                _ = shutdown.cancelled(), if drain_until.is_none() => Wake::Tick,
-                _ = sleep_until(drain_until) => Wake::DrainOver,
+                (stage, done) = written(&mut writing) => Wake::Written(Box::new(stage), done),
+                _ = shutdown.cancelled(), if deadline.is_none() => Wake::Tick,
+                _ = sleep_until(deadline) => Wake::DrainOver,
                 _ = sleep_until(self.write_at) => Wake::Tick,
-                _ = sleep_until(self.pause_due()), if !stopping => Wake::Tick,
+                _ = sleep_until(self.pause_due()), if running => Wake::Tick,
                 r = self.intake.recv(), if polling => Wake::Received(r),
                 _ = ticker.tick() => Wake::Tick,
             };
@@ -213,11 +279,11 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         self.health.draining();
         self.commit(Commit::Sync);
         self.intake.leave();
-        if let Some(fatal) = self.fatal.take() {
-            return Err(PipelineError::FatalConsumer(fatal));
+        let end = self.phase.end();
+        if end.is_ok() {
+            tracing::info!("stopped: offsets committed, left the consumer group");
         }
-        tracing::info!("stopped: offsets committed, left the consumer group");
-        Ok(())
+        end
     }
 
     /// Batches in flight besides the open one: being written or waiting.
@@ -253,7 +319,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// batch may grow; closes it when full, or when the stage is free and
     /// nothing more is queued (or the linger bound passed).
     fn fill(&mut self) {
-        while self.may_take() && self.fatal.is_none() {
+        while self.may_take() && self.phase.running() {
             match self.intake.recv().now_or_never() {
                 Some(r) => self.received(r),
                 None => break, // nothing queued
@@ -409,7 +475,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         match (kind, admitted) {
             (ConsumerErrorKind::Fatal, _) => {
                 tracing::error!(error = %e, "fatal Kafka consumer error: stopping");
-                self.fatal = Some(e.to_string());
+                self.phase.fail(e.to_string());
             }
             (ConsumerErrorKind::OffsetReset, _) => {
                 tracing::error!(error = %e, "Kafka consumer reset an offset (out of range)");
@@ -520,7 +586,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
 }
 
 /// The write stage's result, or never while it is idle.
-async fn running<F: Future + Unpin>(writing: &mut Option<F>) -> F::Output {
+async fn written<F: Future + Unpin>(writing: &mut Option<F>) -> F::Output {
     match writing {
         Some(w) => w.await,
         None => std::future::pending().await,
@@ -532,5 +598,32 @@ async fn sleep_until(at: Option<TokioInstant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fatal_error_survives_the_drain_and_ends_the_loop() {
+        let mut phase = Phase::Running;
+        phase.fail("fenced".into());
+        assert!(!phase.running());
+        assert_eq!(phase.deadline(), None, "failing has no time limit");
+        assert!(phase.drain(Duration::from_secs(5)), "the first drain");
+        assert!(!phase.drain(Duration::from_secs(9)), "only once");
+        let deadline = TokioInstant::now() + Duration::from_secs(5);
+        assert_eq!(phase.deadline(), Some(deadline));
+        phase.fail("later".into());
+        assert!(matches!(phase.end(), Err(PipelineError::FatalConsumer(e)) if e == "fenced"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_alone_ends_well() {
+        let mut phase = Phase::Running;
+        assert!(phase.drain(Duration::from_secs(5)));
+        assert!(!phase.running());
+        assert!(phase.end().is_ok());
     }
 }
