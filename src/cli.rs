@@ -10,18 +10,16 @@ use futures::StreamExt;
 use mongodb::bson::{doc, Bson, Document, RawDocumentBuf};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
+use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
 use rdkafka::error::KafkaError;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use rdkafka::types::RDKafkaErrorCode;
-
-use secrecy::ExposeSecret;
 
 use crate::bucket::id::Prefix;
 use crate::bucket::plan::BucketHead;
-use crate::bucket::store::{head_from_document, BucketStore, InitError, ShardState, StoreError};
+use crate::bucket::store::{
+    head_from_document, in_time, stored_number, BucketStore, InitError, ShardState, StoreError,
+};
 use crate::config::Settings;
 use crate::event::CustomerId;
 
@@ -31,6 +29,10 @@ pub enum CliError {
     Store(#[from] StoreError),
     #[error("Kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
+    /// A Kafka client could not be created (the message is scrubbed of
+    /// secrets).
+    #[error("Kafka client setup failed: {0}")]
+    KafkaSetup(#[from] crate::kafka::SetupError),
     #[error("{0}")]
     Usage(String),
     /// The collection is laid out for the other mode, or sharded on
@@ -54,15 +56,6 @@ impl From<mongodb::error::Error> for CliError {
     }
 }
 
-fn admin_config(settings: &Settings) -> ClientConfig {
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &settings.kafka.brokers);
-    for (k, v) in &settings.kafka.options {
-        c.set(k, v.expose_secret());
-    }
-    c
-}
-
 /// What `init` did.
 #[derive(Debug)]
 pub struct InitOutcome {
@@ -81,7 +74,7 @@ pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<InitOu
     let layout = describe_layout(store.sharded(), &state);
     let mut created = Vec::new();
     if let Some(partitions) = partitions {
-        let admin: AdminClient<DefaultClientContext> = admin_config(settings).create()?;
+        let admin = crate::kafka::admin(settings)?;
         let mut names: BTreeSet<String> = settings.kafka.topics.iter().cloned().collect();
         for t in &settings.kafka.topics {
             names.insert(settings.dlq_topic_for(t));
@@ -190,13 +183,7 @@ pub async fn audit_with(
     let raw = store.collection().clone_with_type::<RawDocumentBuf>();
     let find = raw.find(filter).sort(doc! {"_id": 1});
     let limit = settings.timeouts.mongodb_operation;
-    let mut cursor =
-        tokio::time::timeout(limit, find)
-            .await
-            .map_err(|_| StoreError::TimedOut {
-                operation: "find",
-                limit,
-            })??;
+    let mut cursor = in_time("find", limit, find).await??;
     let mut audit = Audit {
         capacity: settings.buckets.capacity,
         sharded: settings.mongodb.sharded,
@@ -356,11 +343,7 @@ impl Audit {
             .map(|a| a.iter().filter_map(Bson::as_document).collect())
             .unwrap_or_default();
         let len = history.len() as u64;
-        let count = match d.get("count") {
-            Some(Bson::Int64(n)) => *n as u64,
-            Some(Bson::Int32(n)) => *n as u64,
-            _ => u64::MAX,
-        };
+        let count = stored_number(d, "count").unwrap_or(u64::MAX);
         if count != len {
             self.violation(format!("{id}: count {count} but {len} trades in history"));
         }
@@ -532,13 +515,7 @@ pub async fn produce(
     opts: &ProduceOptions,
     progress: bool,
 ) -> Result<(String, u64, f64), CliError> {
-    let mut c = admin_config(settings);
-    c.set("enable.idempotence", "true")
-        .set("linger.ms", "20")
-        .set("batch.num.messages", "10000")
-        .set("queue.buffering.max.messages", "200000")
-        .set("message.timeout.ms", "60000");
-    let producer: FutureProducer = c.create()?;
+    let producer = crate::kafka::bulk_producer(settings)?;
     let topic = opts
         .topic
         .clone()

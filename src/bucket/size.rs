@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 
 use mongodb::bson::{self, doc, Bson};
 
-use crate::event::{Source, Trade, MAX_ENTRY_BYTES, MAX_TICKER_LEN};
+use crate::event::{Source, Trade, MAX_ENTRY_BYTES, MAX_TICKER_LEN, MAX_TOPIC_LEN};
 
 /// MongoDB's limit on a stored document (`maxBsonObjectSize`).
 pub const MAX_DOCUMENT_BYTES: u64 = 16 * 1024 * 1024;
@@ -43,7 +43,7 @@ const MAX_INDEX_DIGITS: u64 = 7;
 
 /// The longest watermark key: `<topic>:<partition>`, with Kafka's longest
 /// topic name (249) and a non-negative 32-bit partition (10 digits).
-const MAX_PARTITION_KEY_LEN: u64 = 249 + 1 + 10;
+const MAX_PARTITION_KEY_LEN: u64 = MAX_TOPIC_LEN as u64 + 1 + 10;
 
 /// The most [`charge`] adds to a trade's entry length.
 pub const MAX_CHARGE_OVERHEAD: u64 = charge_overhead(MAX_TICKER_LEN as u64, MAX_PARTITION_KEY_LEN);

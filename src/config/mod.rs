@@ -11,6 +11,8 @@ use std::time::Duration;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::event::legal_topic;
+
 mod secret;
 
 pub use secret::{redact_uri, Scrubber, REDACTED, SECRET_KAFKA_OPTIONS};
@@ -392,13 +394,13 @@ impl Settings {
         if k.brokers.trim().is_empty() {
             return Err(invalid("kafka.brokers", "must not be empty"));
         }
-        if k.topics.is_empty() || k.topics.iter().any(|t| !valid_topic(t)) {
+        if k.topics.is_empty() || k.topics.iter().any(|t| !legal_topic(t)) {
             return Err(invalid(
                 "kafka.topics",
                 "must list at least one topic of 1-249 characters from [A-Za-z0-9._-]",
             ));
         }
-        if !k.dlq_topic.is_empty() && !valid_topic(&k.dlq_topic) {
+        if !k.dlq_topic.is_empty() && !legal_topic(&k.dlq_topic) {
             return Err(invalid(
                 "kafka.dlq_topic",
                 "must be a topic name of 1-249 characters from [A-Za-z0-9._-]",
@@ -593,17 +595,6 @@ fn normalize_kafka_options(
         out.insert(key.to_ascii_lowercase().replace('_', "."), value);
     }
     out
-}
-
-/// Kafka's legal topic names.
-fn valid_topic(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 249
-        && name != "."
-        && name != ".."
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 #[cfg(test)]

@@ -116,13 +116,7 @@ fn ranges(
     client: &BaseConsumer<ScrubbedLogs>,
     topic: &str,
 ) -> Result<BTreeMap<i32, (i64, i64)>, DlqError> {
-    let metadata = client.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
-    let partitions: Vec<i32> = metadata
-        .topics()
-        .iter()
-        .filter(|t| t.name() == topic && t.error().is_none())
-        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-        .collect();
+    let partitions = kafka::partitions(client, topic, REQUEST_TIMEOUT)?;
     if partitions.is_empty() {
         return Err(DlqError::NoTopic(topic.into()));
     }

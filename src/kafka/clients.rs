@@ -7,6 +7,7 @@ use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rdkafka::admin::AdminClient;
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
@@ -196,6 +197,22 @@ pub fn reader_client(
         .map_err(|e| SetupError::new(settings, e))
 }
 
+/// The partitions of `topic`, from the cluster's metadata; none if the
+/// topic does not exist (or Kafka answered it with an error).
+pub fn partitions(
+    client: &BaseConsumer<ScrubbedLogs>,
+    topic: &str,
+    timeout: Duration,
+) -> KafkaResult<Vec<i32>> {
+    let metadata = client.fetch_metadata(Some(topic), timeout)?;
+    Ok(metadata
+        .topics()
+        .iter()
+        .filter(|t| t.name() == topic && t.error().is_none())
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect())
+}
+
 /// The end offset (at the client's `isolation.level`: the last stable
 /// offset by default) of each of `tps`, in one ListOffsets request per
 /// broker. Partitions Kafka answered with an error are left out.
@@ -223,6 +240,32 @@ pub fn end_offsets(
 
 pub fn producer(settings: &Settings) -> Result<Producer, SetupError> {
     producer_config(settings)
+        .create_with_context(ScrubbedLogs::new(settings))
+        .map_err(|e| SetupError::new(settings, e))
+}
+
+/// The producer of `tradebucket produce`: synthetic trades in bulk, so
+/// larger batches and a deeper local queue than the dead-letter producer,
+/// and a minute for each delivery.
+pub fn bulk_producer(settings: &Settings) -> Result<Producer, SetupError> {
+    let tunables = [
+        ("linger.ms", "20".to_string()),
+        ("batch.num.messages", "10000".to_string()),
+        ("queue.buffering.max.messages", "200000".to_string()),
+        ("message.timeout.ms", "60000".to_string()),
+    ];
+    client_config(
+        settings,
+        &tunables,
+        &[("enable.idempotence", "true".to_string())],
+    )
+    .create_with_context(ScrubbedLogs::new(settings))
+    .map_err(|e| SetupError::new(settings, e))
+}
+
+/// An admin client (`tradebucket init --partitions` creates topics).
+pub fn admin(settings: &Settings) -> Result<AdminClient<ScrubbedLogs>, SetupError> {
+    client_config(settings, &[], &[])
         .create_with_context(ScrubbedLogs::new(settings))
         .map_err(|e| SetupError::new(settings, e))
 }

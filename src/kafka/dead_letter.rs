@@ -25,9 +25,6 @@ use crate::event::{self, Identity, Reject, RejectKind, Source, Trade};
 /// a replayed event carries it on, so a later replay is the same trade.
 pub const H_REPLAY_OF: &str = "tradebucket.replay.of";
 
-/// The longest legal Kafka topic name.
-const MAX_TOPIC_LEN: usize = 249;
-
 /// The replay identity in `headers`: `None` without [`H_REPLAY_OF`], an
 /// `invalid_field` rejection for a malformed one (twice, null, not
 /// UTF-8, not `<legal topic>/<partition>/<offset>` in canonical decimals),
@@ -78,12 +75,7 @@ pub fn decode_record(
 fn parse_position(text: &str) -> Option<Source> {
     let mut parts = text.split('/');
     let (topic, partition, offset) = (parts.next()?, parts.next()?, parts.next()?);
-    let legal = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
-    let topic_ok = !topic.is_empty()
-        && topic.len() <= MAX_TOPIC_LEN
-        && topic != "."
-        && topic != ".."
-        && topic.chars().all(legal);
+    let topic_ok = crate::event::legal_topic(topic);
     let canonical = |n: &str| {
         !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && (n == "0" || !n.starts_with('0'))
     };

@@ -25,8 +25,8 @@ pub mod headers;
 pub mod stall;
 
 pub use clients::{
-    check_options, consumer, end_offsets, end_offsets_client, enqueue, producer, reader_client,
-    GroupConsumer, SetupError,
+    admin, bulk_producer, check_options, consumer, end_offsets, end_offsets_client, enqueue,
+    partitions, producer, reader_client, GroupConsumer, SetupError,
 };
 pub use context::{link_failure, ConsumerCtx, Producer, ScrubbedLogs};
 pub use dead_letter::{

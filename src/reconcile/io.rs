@@ -255,13 +255,7 @@ fn partitions_of(
     topic: &str,
     limit: Duration,
 ) -> Result<Vec<i32>, ReconcileError> {
-    let metadata = client.fetch_metadata(Some(topic), limit)?;
-    let partitions: Vec<i32> = metadata
-        .topics()
-        .iter()
-        .filter(|t| t.name() == topic && t.error().is_none())
-        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-        .collect();
+    let partitions = kafka::partitions(client, topic, limit)?;
     if partitions.is_empty() {
         return Err(ReconcileError::NoTopic(topic.to_string()));
     }

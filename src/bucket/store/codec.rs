@@ -49,10 +49,8 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, UnreadableBucket> 
     let mut wm = BTreeMap::new();
     if let Ok(w) = d.get_document("wm") {
         for (k, v) in w {
-            let offset = match v {
-                Bson::Int64(o) => *o,
-                Bson::Int32(o) => i64::from(*o),
-                _ => continue,
+            let Some(offset) = whole_number(v) else {
+                continue;
             };
             wm.insert(k.clone(), offset);
         }
@@ -81,11 +79,19 @@ pub(super) fn describe(v: Option<&Bson>) -> String {
 }
 
 /// A non-negative integer field, as any numeric BSON type.
-pub(super) fn stored_number(d: &Document, field: &str) -> Option<u64> {
-    match d.get(field)? {
-        Bson::Int32(n) => u64::try_from(*n).ok(),
-        Bson::Int64(n) => u64::try_from(*n).ok(),
-        Bson::Double(n) if *n >= 0.0 && n.fract() == 0.0 => Some(*n as u64),
+pub(crate) fn stored_number(d: &Document, field: &str) -> Option<u64> {
+    whole_number(d.get(field)?).and_then(|n| u64::try_from(n).ok())
+}
+
+/// A whole number in any of BSON's numeric types a server or a tool may
+/// have written it as (the shell writes doubles); `None` for a fraction,
+/// a number out of range or anything else.
+pub(crate) fn whole_number(v: &Bson) -> Option<i64> {
+    match v {
+        Bson::Int32(n) => Some(i64::from(*n)),
+        Bson::Int64(n) => Some(*n),
+        // In range of i64 and whole: the cast is exact.
+        Bson::Double(n) if n.fract() == 0.0 && n.abs() < 9.2e18 => Some(*n as i64),
         _ => None,
     }
 }
@@ -166,6 +172,23 @@ fn history(trades: &[&Trade]) -> RawArrayBuf {
 mod tests {
     use super::*;
     use mongodb::bson::doc;
+
+    #[test]
+    fn whole_numbers_are_read_from_every_numeric_type_and_nothing_else() {
+        assert_eq!(whole_number(&Bson::Int32(-3)), Some(-3));
+        assert_eq!(whole_number(&Bson::Int64(1 << 40)), Some(1 << 40));
+        assert_eq!(whole_number(&Bson::Double(-3.0)), Some(-3));
+        for not in [
+            Bson::Double(0.5),
+            Bson::Double(f64::INFINITY),
+            Bson::Double(f64::NAN),
+            Bson::Double(1e19),
+            Bson::String("1".into()),
+            Bson::Boolean(true),
+        ] {
+            assert_eq!(whole_number(&not), None, "{not}");
+        }
+    }
 
     /// A `count` the guard could never match is the bucket's fault, told
     /// apart from a bucket we can plan against; integral doubles are fine.

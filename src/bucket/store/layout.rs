@@ -2,12 +2,12 @@
 //! how `init` creates and checks them, and sharding (`init_and_shard`).
 
 use futures::TryStreamExt;
-use mongodb::bson::{doc, Bson, Document};
+use mongodb::bson::{doc, Document};
 use mongodb::options::IndexOptions;
 use mongodb::IndexModel;
 
 use super::error::{command_code, InitError, StoreError};
-use super::{bounded, BucketStore, SHARD_KEY_FIELD};
+use super::{bounded, in_time, whole_number, BucketStore, SHARD_KEY_FIELD};
 use crate::event::CustomerId;
 
 /// The server's answer for a collection or database that does not exist.
@@ -118,12 +118,7 @@ impl BucketStore {
     /// The collection's indexes; none if it does not exist yet.
     async fn index_models(&self) -> Result<Vec<IndexModel>, StoreError> {
         let listed = async { self.coll.list_indexes().await?.try_collect().await };
-        match tokio::time::timeout(self.operation_limit, listed)
-            .await
-            .map_err(|_| StoreError::TimedOut {
-                operation: "listIndexes",
-                limit: self.operation_limit,
-            })? {
+        match in_time("listIndexes", self.operation_limit, listed).await? {
             Ok(models) => Ok(models),
             Err(e) if command_code(&e) == Some(NAMESPACE_NOT_FOUND) => Ok(Vec::new()),
             Err(e) => Err(e.into()),
@@ -149,19 +144,12 @@ impl BucketStore {
         let find = collections
             .find_one(doc! {"_id": self.namespace()})
             .max_time(limit);
-        let entry = match tokio::time::timeout(limit, find).await {
-            Err(_) => {
-                return Err(StoreError::TimedOut {
-                    operation: "find",
-                    limit,
-                }
-                .into())
-            }
-            Ok(Ok(entry)) => entry,
-            Ok(Err(e)) if command_code(&e) == Some(UNAUTHORIZED) => {
+        let entry = match in_time("find", limit, find).await? {
+            Ok(entry) => entry,
+            Err(e) if command_code(&e) == Some(UNAUTHORIZED) => {
                 return Ok(ShardState::Unknown(e.to_string()))
             }
-            Ok(Err(e)) => return Err(e.into()),
+            Err(e) => return Err(e.into()),
         };
         let key = entry
             .filter(|c| {
@@ -315,15 +303,10 @@ pub fn layout_conflict(indexes: &[IndexModel], sharded: bool, ns: &str) -> Optio
 /// Whether an index key pattern is exactly `fields`, in order, ascending.
 fn is_key(keys: &Document, fields: &[&str]) -> bool {
     keys.len() == fields.len()
-        && keys.iter().zip(fields).all(|((name, direction), field)| {
-            let ascending = match direction {
-                Bson::Int32(n) => *n == 1,
-                Bson::Int64(n) => *n == 1,
-                Bson::Double(n) => *n == 1.0,
-                _ => false,
-            };
-            name == field && ascending
-        })
+        && keys
+            .iter()
+            .zip(fields)
+            .all(|((name, direction), field)| name == field && whole_number(direction) == Some(1))
 }
 
 #[cfg(test)]

@@ -1,0 +1,249 @@
+//! What a write command carries and what its reply says: the write
+//! concern, fill statements cut to the command size limit, and the
+//! statement errors (or the unknown outcome) of an `update` or
+//! `insert_many` reply.
+
+use mongodb::bson::{Bson, Document, RawDocumentBuf};
+use mongodb::error::{ErrorKind, WriteFailure};
+use mongodb::options::{Acknowledgment, WriteConcern};
+
+use super::codec::{describe, stored_number};
+use super::error::{InsertOutcome, StatementError, StoreError, CLIENT_REFUSED};
+use crate::config::{Settings, WriteAcknowledgment};
+
+/// Bytes of fill statements per `update` command (a byte budget, not a
+/// statement count). A command over MongoDB's 16 MiB limit is refused
+/// whole, so the fills are cut into several commands at half of it, which
+/// leaves room for the command's other fields; a statement larger than the
+/// budget goes alone. At typical trade sizes a command this big also stays
+/// far under the 100,000-statement limit.
+const MAX_STATEMENT_BYTES: usize = 8 * 1024 * 1024;
+
+/// What an `insert_many` of `sent` documents that failed says: the
+/// refused documents, or an error (its outcome unknown) to retry.
+pub(super) fn insert_failure(
+    e: mongodb::error::Error,
+    sent: usize,
+) -> Result<InsertOutcome, StoreError> {
+    let refused = |index: usize, code: i32, message: String| StatementError {
+        index,
+        code,
+        message,
+    };
+    match *e.kind {
+        ErrorKind::InsertMany(ref failure) if failure.write_concern_error.is_none() => {
+            match failure.write_errors.as_deref() {
+                Some(errors) if errors.iter().any(|w| w.index >= sent) => {
+                    let bad = errors.iter().map(|w| w.index).max().unwrap_or(0);
+                    Err(malformed(format!("a write error's index is {bad}"), sent))
+                }
+                Some(errors) if !errors.is_empty() => Ok(InsertOutcome {
+                    errors: errors
+                        .iter()
+                        .map(|w| refused(w.index, w.code, w.message.clone()))
+                        .collect(),
+                }),
+                _ => Err(StoreError::Transient(e)),
+            }
+        }
+        ErrorKind::Write(WriteFailure::WriteError(ref w)) => Ok(InsertOutcome {
+            errors: vec![refused(0, w.code, w.message.clone())],
+        }),
+        // Refused by the driver before anything was sent: every document
+        // is suspect, and the writer's isolation finds the one at fault.
+        ErrorKind::InvalidArgument { ref message, .. } => {
+            let why = format!("the MongoDB driver refused the document: {message}");
+            Ok(InsertOutcome {
+                errors: (0..sent)
+                    .map(|i| refused(i, CLIENT_REFUSED, why.clone()))
+                    .collect(),
+            })
+        }
+        _ => Err(StoreError::Transient(e)),
+    }
+}
+
+/// `mongodb.write_concern` and `mongodb.journal`, with `wtimeout`: a replica
+/// set that lost its majority answers with a write-concern error instead of
+/// holding the write without bound.
+pub(super) fn write_concern(settings: &Settings) -> WriteConcern {
+    let w = match settings.mongodb.write_concern {
+        WriteAcknowledgment::Majority => Acknowledgment::Majority,
+        WriteAcknowledgment::Nodes(n) => Acknowledgment::Nodes(n),
+    };
+    WriteConcern::builder()
+        .w(w)
+        .journal(settings.mongodb.journal)
+        .w_timeout(settings.timeouts.mongodb_write_concern)
+        .build()
+}
+
+/// The `writeConcern` field of a raw command.
+pub(super) fn write_concern_doc(wc: &WriteConcern) -> RawDocumentBuf {
+    let mut d = RawDocumentBuf::new();
+    match &wc.w {
+        Some(Acknowledgment::Nodes(n)) => d.append("w", i64::from(*n)),
+        Some(Acknowledgment::Custom(s)) => d.append("w", s.as_str()),
+        _ => d.append("w", "majority"),
+    }
+    if let Some(j) = wc.journal {
+        d.append("j", j);
+    }
+    if let Some(limit) = wc.w_timeout {
+        d.append(
+            "wtimeout",
+            i64::try_from(limit.as_millis()).unwrap_or(i64::MAX),
+        );
+    }
+    d
+}
+
+/// `(matched, statement errors)` from an `update` reply to `sent`
+/// statements. A write-concern error makes the whole outcome unknown: an
+/// error, so the batch is retried. So does a reply that names a statement
+/// we did not send, or counts more matches than statements: a server (or a
+/// proxy) saying that cannot be trusted about the others either, and
+/// indexing with its numbers would crash the worker on the same batch
+/// after every restart.
+pub(super) fn parse_write_reply(
+    reply: &Document,
+    sent: usize,
+) -> Result<(u64, Vec<StatementError>), StoreError> {
+    if let Ok(wce) = reply.get_document("writeConcernError") {
+        let code = wce.get_i32("code").unwrap_or(-1);
+        let message = wce.get_str("errmsg").unwrap_or_default();
+        return Err(StoreError::WriteConcern {
+            code,
+            message: message.to_string(),
+        });
+    }
+    let n = stored_number(reply, "n")
+        .filter(|&n| n <= sent as u64)
+        .ok_or_else(|| malformed(format!("n is {}", describe(reply.get("n"))), sent))?;
+    let mut errors = Vec::new();
+    if let Ok(list) = reply.get_array("writeErrors") {
+        for e in list.iter().filter_map(Bson::as_document) {
+            let index = stored_number(e, "index")
+                .and_then(|i| usize::try_from(i).ok())
+                .filter(|&i| i < sent)
+                .ok_or_else(|| {
+                    let index = describe(e.get("index"));
+                    malformed(format!("a write error's index is {index}"), sent)
+                })?;
+            errors.push(StatementError {
+                index,
+                code: e.get_i32("code").unwrap_or(-1),
+                message: e.get_str("errmsg").unwrap_or_default().to_string(),
+            });
+        }
+    }
+    Ok((n, errors))
+}
+
+/// A write reply that does not fit the request: retried like a failed
+/// request (its outcome is unknown), and said plainly in the log.
+fn malformed(what: String, sent: usize) -> StoreError {
+    StoreError::Failed(format!(
+        "malformed write reply to {sent} statements: {what}"
+    ))
+}
+
+pub(super) fn chunk_by_size(statements: Vec<RawDocumentBuf>) -> Vec<Vec<RawDocumentBuf>> {
+    let mut chunks = Vec::new();
+    let mut current = Vec::new();
+    let mut bytes = 0;
+    for s in statements {
+        let size = s.as_bytes().len();
+        if !current.is_empty() && bytes + size > MAX_STATEMENT_BYTES {
+            chunks.push(std::mem::take(&mut current));
+            bytes = 0;
+        }
+        bytes += size;
+        current.push(s);
+    }
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mongodb::bson::{doc, rawdoc};
+    use std::time::Duration;
+
+    #[test]
+    fn the_raw_write_concern_carries_wtimeout() {
+        let wc = WriteConcern::builder()
+            .w(Acknowledgment::Majority)
+            .journal(true)
+            .w_timeout(Duration::from_secs(20))
+            .build();
+        let d = write_concern_doc(&wc);
+        assert_eq!(d.get_i64("wtimeout").unwrap(), 20_000);
+    }
+
+    #[test]
+    fn write_replies_are_parsed_with_indexes() {
+        let reply = doc! {"ok": 1.0, "n": 3, "nModified": 3, "writeErrors": [
+            {"index": 4, "code": 11000, "errmsg": "E11000 duplicate key"},
+            {"index": 7, "code": 121, "errmsg": "Document failed validation"},
+        ]};
+        let (n, errs) = parse_write_reply(&reply, 8).unwrap();
+        assert_eq!(n, 3);
+        assert_eq!(errs.len(), 2);
+        assert!(errs[0].is_duplicate_key());
+        assert_eq!((errs[1].index, errs[1].code), (7, 121));
+        let wce = doc! {"ok": 1.0, "n": 1, "writeConcernError": {"code": 64}};
+        assert!(parse_write_reply(&wce, 8).is_err());
+    }
+
+    /// A reply that names a statement we did not send (or counts more
+    /// matches than statements) is an error to retry, not an index to
+    /// crash on: before, the writer indexed its statements with it.
+    #[test]
+    fn a_reply_naming_statements_never_sent_is_an_error_not_an_index() {
+        let error_at = |index: Bson| {
+            doc! {"ok": 1.0, "n": 0, "writeErrors": [
+                {"index": index, "code": 11000, "errmsg": "E11000"},
+            ]}
+        };
+        for index in [
+            Bson::Int32(3),
+            Bson::Int32(-1),
+            Bson::Int64(1 << 40),
+            Bson::Null,
+        ] {
+            let e = parse_write_reply(&error_at(index.clone()), 3).unwrap_err();
+            assert!(
+                matches!(e, StoreError::Failed(ref m) if m.contains("malformed")),
+                "{index}: {e}"
+            );
+        }
+        assert!(parse_write_reply(&error_at(Bson::Int32(2)), 3).is_ok());
+        let too_many = doc! {"ok": 1.0, "n": 4};
+        assert!(parse_write_reply(&too_many, 3).is_err());
+        let no_n = doc! {"ok": 1.0};
+        assert!(parse_write_reply(&no_n, 3).is_err());
+    }
+
+    #[test]
+    fn chunks_respect_the_size_budget_and_keep_order() {
+        let big = "x".repeat(3 * 1024 * 1024);
+        let statements: Vec<RawDocumentBuf> = (0..5)
+            .map(|i| rawdoc! {"i": i, "pad": big.as_str()})
+            .collect();
+        let chunks = chunk_by_size(statements);
+        assert_eq!(
+            chunks.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![2, 2, 1]
+        );
+        let order: Vec<i32> = chunks
+            .iter()
+            .flatten()
+            .map(|d| d.get_i32("i").unwrap())
+            .collect();
+        assert_eq!(order, vec![0, 1, 2, 3, 4]);
+    }
+}
