@@ -100,9 +100,8 @@ const KEPT_BYTES: usize = 1024;
 /// One event bound for the dead-letter topic.
 #[derive(Debug, Clone)]
 pub struct DeadLetter {
-    pub topic: String,
-    pub partition: i32,
-    pub offset: i64,
+    /// Where the bad record was read.
+    pub source: Source,
     pub key: Option<Vec<u8>>,
     pub payload: Option<Vec<u8>>,
     /// The original record's headers, as bytes.
@@ -201,8 +200,8 @@ fn dead_letter_headers(dl: &DeadLetter) -> OwnedHeaders {
             headers::add(&mut out, name, value.as_deref());
         }
     }
-    let partition = dl.partition.to_string();
-    let offset = dl.offset.to_string();
+    let partition = dl.source.partition.to_string();
+    let offset = dl.source.offset.to_string();
     // A replayed event keeps its first position's identity through every
     // later dead letter; only a well-formed one is carried on (a malformed
     // one is why this record is here).
@@ -213,7 +212,7 @@ fn dead_letter_headers(dl: &DeadLetter) -> OwnedHeaders {
     for (name, value) in [
         (H_ERROR_KIND, dl.reject.kind.as_str()),
         (H_ERROR_MESSAGE, dl.reject.message.as_str()),
-        (H_SOURCE_TOPIC, dl.topic.as_str()),
+        (H_SOURCE_TOPIC, dl.source.topic.as_str()),
         (H_SOURCE_PARTITION, partition.as_str()),
         (H_SOURCE_OFFSET, offset.as_str()),
     ] {
@@ -240,9 +239,11 @@ mod tests {
     fn inbound_headers_cannot_forge_ours_and_any_bytes_are_kept() {
         use crate::event::RejectKind;
         let dl = DeadLetter {
-            topic: "trades".into(),
-            partition: 3,
-            offset: 41,
+            source: Source {
+                topic: "trades".into(),
+                partition: 3,
+                offset: 41,
+            },
             key: None,
             payload: None,
             headers: vec![
@@ -273,9 +274,11 @@ mod tests {
         use crate::event::RejectKind;
         let ours = |replay_of: &[u8]| {
             let dl = DeadLetter {
-                topic: "trades".into(),
-                partition: 0,
-                offset: 900,
+                source: Source {
+                    topic: "trades".into(),
+                    partition: 0,
+                    offset: 900,
+                },
                 key: None,
                 payload: None,
                 headers: vec![(H_REPLAY_OF.as_bytes().to_vec(), Some(replay_of.to_vec()))],
@@ -297,9 +300,11 @@ mod tests {
     fn a_shortened_dead_letter_keeps_provenance_and_a_digest() {
         use crate::event::RejectKind;
         let dl = DeadLetter {
-            topic: "trades".into(),
-            partition: 1,
-            offset: 7,
+            source: Source {
+                topic: "trades".into(),
+                partition: 1,
+                offset: 7,
+            },
             key: Some(vec![b'k'; 5000]),
             payload: Some(b"abc".repeat(1_000_000)),
             headers: vec![(b"big".to_vec(), Some(vec![0; 100_000]))],

@@ -185,7 +185,7 @@ impl KafkaDeadLetters {
 
 impl DeadLetterSink for KafkaDeadLetters {
     async fn send(&self, dead: &DeadLetter) -> Result<(), SendError> {
-        let topic = self.settings.dlq_topic_for(&dead.topic);
+        let topic = self.settings.dlq_topic_for(&dead.source.topic);
         let (generation, producer) = match self.producer.read() {
             Ok(p) => p.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),

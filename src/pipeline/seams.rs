@@ -79,6 +79,16 @@ impl Record {
         let headers: usize = self.headers.iter().map(|(n, v)| n.len() + len(v)).sum();
         len(&self.payload) + len(&self.key) + headers
     }
+
+    /// Where it was read: the trade's fallback identity, a dead letter's
+    /// provenance.
+    pub fn source(&self) -> Source {
+        Source {
+            topic: self.tp.0.clone(),
+            partition: self.tp.1,
+            offset: self.offset,
+        }
+    }
 }
 
 /// The consumer side: records in, offsets out.

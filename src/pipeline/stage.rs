@@ -179,7 +179,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
                 match r {
                     Ok(()) => self.dead_lettered(&dl),
                     Err(SendError::TooLarge(_)) if dl.shortened.is_none() => {
-                        tracing::warn!(topic = %dl.topic, partition = dl.partition, offset = dl.offset,
+                        tracing::warn!(topic = %dl.source.topic, partition = dl.source.partition, offset = dl.source.offset,
                             "dead letter too large for the dead-letter topic; sending it shortened");
                         shortened.push(dl.shortened());
                     }
@@ -224,11 +224,11 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     fn dead_lettered(&mut self, dl: &DeadLetter) {
         let (kind, error) = (dl.reject.kind.as_str(), &dl.reject.message);
         if let Some(suppressed) = self.dead_letter_log.admit(Instant::now()) {
-            tracing::warn!(kind, error = %error, topic = %dl.topic, partition = dl.partition,
-                offset = dl.offset, suppressed, "event dead-lettered");
+            tracing::warn!(kind, error = %error, topic = %dl.source.topic,
+                partition = dl.source.partition, offset = dl.source.offset, suppressed, "event dead-lettered");
         } else {
-            tracing::debug!(kind, error = %error, topic = %dl.topic, partition = dl.partition,
-                offset = dl.offset, "event dead-lettered");
+            tracing::debug!(kind, error = %error, topic = %dl.source.topic,
+                partition = dl.source.partition, offset = dl.source.offset, "event dead-lettered");
         }
         self.metrics.dead_lettered(dl.reject.kind).inc();
     }
@@ -242,11 +242,7 @@ pub(super) fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
         dead: Vec::new(),
     };
     for (i, r) in batch.iter().enumerate() {
-        let source = Source {
-            topic: r.tp.0.clone(),
-            partition: r.tp.1,
-            offset: r.offset,
-        };
+        let source = r.source();
         let decoded = kafka::decode_record(r.payload.as_deref(), &r.headers, &source, max_bytes);
         match decoded {
             Ok(trade) => {
@@ -261,9 +257,7 @@ pub(super) fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
 
 fn dead_letter_of(r: &Record, reject: &Reject) -> DeadLetter {
     DeadLetter {
-        topic: r.tp.0.clone(),
-        partition: r.tp.1,
-        offset: r.offset,
+        source: r.source(),
         key: r.key.clone(),
         payload: r.payload.clone(),
         headers: r.headers.clone(),

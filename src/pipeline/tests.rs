@@ -171,7 +171,7 @@ impl DeadLetterSink for FakeDeadLetters {
             .lock()
             .unwrap()
             .dead_letters
-            .push((at, dead.offset));
+            .push((at, dead.source.offset));
         if dead.payload.as_ref().map_or(0, Vec::len) > self.max_payload {
             return Err(SendError::TooLarge("Broker: Message size too large".into()));
         }
