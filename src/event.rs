@@ -200,22 +200,6 @@ fn validate_customer(id: &CustomerId) -> Result<(), Reject> {
     }
 }
 
-/// Kafka's longest topic name.
-pub const MAX_TOPIC_LEN: usize = 249;
-
-/// Whether `name` is a legal Kafka topic name: 1-249 characters from
-/// `[A-Za-z0-9._-]`, and not `.` or `..`. The watermark key and the
-/// dead-letter position header rely on the characters it excludes.
-pub fn legal_topic(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_TOPIC_LEN
-        && name != "."
-        && name != ".."
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
-
 /// Where a message came from; the fallback identity of a trade without
 /// `tradeId` and the key of the applied-offset watermark.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -24,7 +24,8 @@ use std::collections::BTreeMap;
 
 use mongodb::bson::{self, doc, Bson};
 
-use crate::event::{Source, Trade, MAX_ENTRY_BYTES, MAX_TICKER_LEN, MAX_TOPIC_LEN};
+use crate::config::MAX_TOPIC_LEN;
+use crate::event::{Source, Trade, MAX_ENTRY_BYTES, MAX_TICKER_LEN};
 
 /// MongoDB's limit on a stored document (`maxBsonObjectSize`).
 pub const MAX_DOCUMENT_BYTES: u64 = 16 * 1024 * 1024;

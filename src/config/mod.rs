@@ -11,8 +11,6 @@ use std::time::Duration;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::event::legal_topic;
-
 mod secret;
 
 pub use secret::{redact_uri, Scrubber, REDACTED, SECRET_KAFKA_OPTIONS};
@@ -595,6 +593,22 @@ fn normalize_kafka_options(
         out.insert(key.to_ascii_lowercase().replace('_', "."), value);
     }
     out
+}
+
+/// Kafka's longest topic name.
+pub const MAX_TOPIC_LEN: usize = 249;
+
+/// Whether `name` is a legal Kafka topic name: 1-249 characters from
+/// `[A-Za-z0-9._-]`, and not `.` or `..`. The watermark key and the
+/// dead-letter position header rely on the characters it excludes.
+pub fn legal_topic(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_TOPIC_LEN
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 #[cfg(test)]

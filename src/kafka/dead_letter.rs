@@ -75,7 +75,7 @@ pub fn decode_record(
 fn parse_position(text: &str) -> Option<Source> {
     let mut parts = text.split('/');
     let (topic, partition, offset) = (parts.next()?, parts.next()?, parts.next()?);
-    let topic_ok = crate::event::legal_topic(topic);
+    let topic_ok = crate::config::legal_topic(topic);
     let canonical = |n: &str| {
         !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && (n == "0" || !n.starts_with('0'))
     };
