@@ -1,5 +1,5 @@
 //! Writes one batch of trades into buckets, in rounds until every event has
-//! an outcome. A `Batch` holds what lasts across rounds (outcomes, the
+//! an outcome. A `Ledger` holds what lasts across rounds (outcomes, the
 //! customers still pending, what the database told us); a `Round` holds
 //! one round's plans and which of them held (both in `writer/round.rs`).
 //! Each round:
@@ -120,44 +120,44 @@ impl<S: BucketDb> BucketWriter<S> {
         outcomes: &mut [Outcome],
     ) -> Result<WriteStats, StoreError> {
         assert_eq!(events.len(), outcomes.len(), "one outcome per event");
-        let mut batch = Batch::new(events, outcomes);
-        let result = self.rounds(&mut batch).await;
+        let mut ledger = Ledger::new(events, outcomes);
+        let result = self.rounds(&mut ledger).await;
         if result.is_err() {
             // Whatever we were doing, we no longer know the state of these
             // customers.
-            for c in batch.pending.keys() {
+            for c in ledger.pending.keys() {
                 self.cache.pop(c);
             }
         }
-        result.map(|()| batch.stats)
+        result.map(|()| ledger.stats)
     }
 
     /// Plans, writes and re-plans until every event has an outcome. A
     /// round settles every customer whose writes all held; the others are
     /// reloaded and planned again in the next round.
-    async fn rounds(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
+    async fn rounds(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
         let mut stalled = 0;
-        while !batch.pending.is_empty() {
-            batch.stats.rounds += 1;
-            let settled_before = batch.settled();
+        while !ledger.pending.is_empty() {
+            ledger.stats.rounds += 1;
+            let settled_before = ledger.settled();
             if stalled > MAX_STALLED_ROUNDS {
                 return Err(StoreError::Failed(format!(
                     "{} customers still conflicting after {MAX_STALLED_ROUNDS} rounds without progress",
-                    batch.pending.len()
+                    ledger.pending.len()
                 )));
             }
-            self.verify_cached_keys(batch).await?;
-            self.load_missing(batch).await?;
-            self.verify_below_watermark(batch).await?;
-            let mut round = self.plan(batch);
-            if round.plans.is_empty() {
+            self.verify_cached_keys(ledger).await?;
+            self.load_missing(ledger).await?;
+            self.verify_below_watermark(ledger).await?;
+            let mut round = self.plan(ledger);
+            if round.is_empty() {
                 // Planning alone settled every planned event.
                 continue;
             }
-            self.fill(batch, &mut round).await?;
-            self.insert_firsts(batch, &mut round).await?;
-            self.insert_chains(batch, &mut round).await?;
-            self.settle(batch, &round);
+            self.fill(ledger, &mut round).await?;
+            self.insert_firsts(ledger, &mut round).await?;
+            self.insert_chains(ledger, &mut round).await?;
+            self.settle(ledger, &round);
             if let Some(e) = round.transient {
                 // Whatever went in stays recorded; the rest is retried with
                 // backoff, from reloaded heads.
@@ -167,13 +167,13 @@ impl<S: BucketDb> BucketWriter<S> {
                 });
             }
             // The stall rule: rounds that settle no event in a row.
-            stalled = if batch.settled() > settled_before {
+            stalled = if ledger.settled() > settled_before {
                 0
             } else {
                 stalled + 1
             };
             if !round.conflicted.is_empty() {
-                self.learn_stored_keys(batch, &round.conflicted).await?;
+                self.learn_stored_keys(ledger, &round.conflicted).await?;
             }
         }
         Ok(())
@@ -183,8 +183,8 @@ impl<S: BucketDb> BucketWriter<S> {
     /// One we cannot plan against is kept for this call only (see
     /// [`UnreadableBucket`]): `plan` dead-letters that customer's events,
     /// and a later batch reads the bucket again, mended or not.
-    async fn load_missing(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
-        let missing: Vec<CustomerId> = batch
+    async fn load_missing(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
+        let missing: Vec<CustomerId> = ledger
             .pending
             .keys()
             .filter(|c| !self.cache.contains(*c))
@@ -193,18 +193,18 @@ impl<S: BucketDb> BucketWriter<S> {
         if missing.is_empty() {
             return Ok(());
         }
-        batch.stats.heads_loaded += missing.len();
+        ledger.stats.heads_loaded += missing.len();
         let timer = self.timer(WriteOperation::Load);
         let heads = self.store.load_heads(missing).await?;
         timer.observe_duration();
         for (customer, head) in heads {
-            batch.loaded.insert(customer.clone());
+            ledger.loaded.insert(customer.clone());
             match head {
                 Ok(head) => {
                     self.cache.put(customer, head);
                 }
                 Err(unreadable) => {
-                    batch.unreadable.insert(customer, unreadable);
+                    ledger.unreadable.insert(customer, unreadable);
                 }
             }
         }
@@ -219,20 +219,20 @@ impl<S: BucketDb> BucketWriter<S> {
     /// up once per batch, and a customer whose cached keys are gone from
     /// MongoDB has its head dropped and read again. Costs one query, only
     /// for a batch holding such events (redeliveries, upstream copies).
-    async fn verify_cached_keys(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
-        let asked = self.cached_keys_unverified(batch);
+    async fn verify_cached_keys(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
+        let asked = self.cached_keys_unverified(ledger);
         if asked.is_empty() {
             return Ok(());
         }
-        let keys = keys_of(batch.events, &asked);
+        let keys = keys_of(ledger.events, &asked);
         let timer = self.timer(WriteOperation::FindKeys);
         let found = self.store.find_keys(&keys).await?;
         timer.observe_duration();
-        let stored = stored_in_own_bucket(batch.events, &asked, &found);
+        let stored = stored_in_own_bucket(ledger.events, &asked, &found);
         let mut stale: HashSet<&CustomerId> = HashSet::new();
         for &i in asked.values().flatten() {
             if !stored.contains(&i) {
-                stale.insert(&batch.events[i].0.customer);
+                stale.insert(&ledger.events[i].0.customer);
             }
         }
         if !stale.is_empty() {
@@ -250,11 +250,11 @@ impl<S: BucketDb> BucketWriter<S> {
 
     /// The pending events whose key their customer's cached head (not read
     /// by this call) holds and that no earlier round looked up, by key.
-    fn cached_keys_unverified<'e>(&self, batch: &mut Batch<'e>) -> HashMap<&'e str, Vec<usize>> {
-        let events = batch.events;
+    fn cached_keys_unverified<'e>(&self, ledger: &mut Ledger<'e>) -> HashMap<&'e str, Vec<usize>> {
+        let events = ledger.events;
         let mut asked: HashMap<&'e str, Vec<usize>> = HashMap::new();
-        for (customer, idx) in &batch.pending {
-            if batch.loaded.contains(customer) {
+        for (customer, idx) in &ledger.pending {
+            if ledger.loaded.contains(customer) {
                 continue;
             }
             let Some(Some(head)) = self.cache.peek(customer) else {
@@ -262,9 +262,9 @@ impl<S: BucketDb> BucketWriter<S> {
             };
             for &i in idx {
                 let key = events[i].0.key.as_str();
-                if !batch.outcomes[i].is_final()
+                if !ledger.outcomes[i].is_final()
                     && head.keys.contains(key)
-                    && batch.verified_cached.insert(i)
+                    && ledger.verified_cached.insert(i)
                 {
                     asked.entry(key).or_default().push(i);
                 }
@@ -283,21 +283,21 @@ impl<S: BucketDb> BucketWriter<S> {
     /// its offset is stale and it is planned like a new event (its key
     /// still guards against a double). Costs one query, and only when a
     /// batch holds redelivered events.
-    async fn verify_below_watermark(&mut self, batch: &mut Batch<'_>) -> Result<(), StoreError> {
-        let asked = self.below_watermark_unverified(batch);
+    async fn verify_below_watermark(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
+        let asked = self.below_watermark_unverified(ledger);
         if asked.is_empty() {
             return Ok(());
         }
-        let keys = keys_of(batch.events, &asked);
+        let keys = keys_of(ledger.events, &asked);
         let timer = self.timer(WriteOperation::FindKeys);
         let found = self.store.find_keys(&keys).await?;
         timer.observe_duration();
-        let stored = stored_in_own_bucket(batch.events, &asked, &found);
+        let stored = stored_in_own_bucket(ledger.events, &asked, &found);
         let mut unstored = 0;
         for &i in asked.values().flatten() {
             if !stored.contains(&i) {
-                let trade = &batch.events[i].0;
-                batch
+                let trade = &ledger.events[i].0;
+                ledger
                     .known
                     .entry(trade.customer.clone())
                     .or_default()
@@ -314,7 +314,7 @@ impl<S: BucketDb> BucketWriter<S> {
                  writing them as new"
             );
         }
-        batch.stats.below_watermark_unstored += unstored;
+        ledger.stats.below_watermark_unstored += unstored;
         Ok(())
     }
 
@@ -323,20 +323,20 @@ impl<S: BucketDb> BucketWriter<S> {
     /// key. Each event is looked up at most once per batch.
     fn below_watermark_unverified<'e>(
         &self,
-        batch: &mut Batch<'e>,
+        ledger: &mut Ledger<'e>,
     ) -> HashMap<&'e str, Vec<usize>> {
-        let events = batch.events;
+        let events = ledger.events;
         let mut asked: HashMap<&'e str, Vec<usize>> = HashMap::new();
-        for (customer, idx) in &batch.pending {
+        for (customer, idx) in &ledger.pending {
             let Some(Some(head)) = self.cache.peek(customer) else {
                 continue;
             };
             for &i in idx {
                 let (trade, source) = &events[i];
                 if head.covers(source)
-                    && !batch.outcomes[i].is_final()
+                    && !ledger.outcomes[i].is_final()
                     && !head.keys.contains(&trade.key)
-                    && batch.verified.insert(i)
+                    && ledger.verified.insert(i)
                 {
                     asked.entry(trade.key.as_str()).or_default().push(i);
                 }
@@ -348,18 +348,18 @@ impl<S: BucketDb> BucketWriter<S> {
     /// Plans every pending customer against its cached newest bucket and
     /// settles at once what needs no write (already applied, duplicates,
     /// unplaceable). The round holds the plans that do write.
-    fn plan(&mut self, batch: &mut Batch<'_>) -> Round {
-        batch.reject_unreadable();
+    fn plan(&mut self, ledger: &mut Ledger<'_>) -> Round {
+        ledger.reject_unreadable();
         let nothing_known = Known::default();
-        let events = batch.events;
-        let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(batch.pending.len());
-        for (customer, idx) in &batch.pending {
+        let events = ledger.events;
+        let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(ledger.pending.len());
+        for (customer, idx) in &ledger.pending {
             // Borrowed, not cloned: a head holds up to `cap` keys, and this
             // runs for every customer of every round.
             let head = self.cache.get(customer).and_then(Option::as_ref);
             let mut evs: Vec<Event<'_>> = idx
                 .iter()
-                .filter(|&&i| !batch.outcomes[i].is_final())
+                .filter(|&&i| !ledger.outcomes[i].is_final())
                 .map(|&i| Event {
                     index: i,
                     trade: &events[i].0,
@@ -368,30 +368,30 @@ impl<S: BucketDb> BucketWriter<S> {
                 .collect();
             // After MongoDB refused a write of several of this customer's
             // events, write at most half as many at a time until the
-            // offender is alone (see `Batch::refused`).
-            if let Some(&limit) = batch.isolate.get(customer) {
+            // offender is alone (see `Ledger::refused`).
+            if let Some(&limit) = ledger.isolate.get(customer) {
                 evs.truncate(limit);
             }
-            let learnt = batch.known.get(customer).unwrap_or(&nothing_known);
+            let learnt = ledger.known.get(customer).unwrap_or(&nothing_known);
             let limits = Limits::with_capacity(self.capacity);
             let plan = plan_customer(customer, head, &evs, learnt, limits);
             record(
-                batch.outcomes,
+                ledger.outcomes,
                 &plan.already_applied,
                 Outcome::AlreadyApplied,
             );
-            record(batch.outcomes, &plan.duplicates, Outcome::Duplicate);
+            record(ledger.outcomes, &plan.duplicates, Outcome::Duplicate);
             for (i, why) in &plan.unplaceable {
                 let reject = Reject::new(RejectKind::Rejected, why.clone());
-                record(batch.outcomes, &[*i], Outcome::DeadLetter(reject));
+                record(ledger.outcomes, &[*i], Outcome::DeadLetter(reject));
             }
             plans.push((customer.clone(), plan));
         }
         plans.retain(|(customer, plan)| {
             // Without writes every planned event is settled; an isolated
             // customer may still have events after the one planned.
-            if !plan.has_writes() && all_final(batch.pending.get(customer), batch.outcomes) {
-                batch.pending.remove(customer);
+            if !plan.has_writes() && all_final(ledger.pending.get(customer), ledger.outcomes) {
+                ledger.pending.remove(customer);
             }
             plan.has_writes()
         });
@@ -400,10 +400,8 @@ impl<S: BucketDb> BucketWriter<S> {
 
     /// Every fill of the round in one unordered `update` command: each
     /// statement is one customer's, guarded on its bucket's count.
-    async fn fill(&mut self, batch: &mut Batch<'_>, round: &mut Round) -> Result<(), StoreError> {
-        let fillers: Vec<usize> = (0..round.plans.len())
-            .filter(|&p| round.plans[p].1.fill.is_some())
-            .collect();
+    async fn fill(&mut self, ledger: &mut Ledger<'_>, round: &mut Round) -> Result<(), StoreError> {
+        let fillers = round.fillers();
         if fillers.is_empty() {
             return Ok(());
         }
@@ -411,27 +409,27 @@ impl<S: BucketDb> BucketWriter<S> {
             .iter()
             .map(|&p| {
                 let fill = round.fill(p);
-                let shard_key = self.store.shard_key(&round.plans[p].0);
-                fill_statement(fill, &batch.trades(&fill.events), shard_key.as_ref())
+                let shard_key = self.store.shard_key(round.customer(p));
+                fill_statement(fill, &ledger.trades(&fill.events), shard_key.as_ref())
             })
             .collect();
         let timer = self.timer(WriteOperation::Fill);
         let outcome = self.store.apply_fills(statements).await?;
         timer.observe_duration();
-        batch.stats.fills += fillers.len();
-        let mut failed: HashSet<usize> = HashSet::new();
+        ledger.stats.fills += fillers.len();
+        let mut failed: HashSet<PlanId> = HashSet::new();
         for e in &outcome.errors {
             let p = fillers[e.index];
             failed.insert(p);
-            round.failed(batch, p, Op::Fill, e);
+            round.failed(ledger, p, Op::Fill, e);
         }
         let expected = (fillers.len() - failed.len()) as u64;
         if outcome.matched != expected {
-            self.find_missed(batch, round, &fillers).await?;
+            self.find_missed(ledger, round, &fillers).await?;
         }
         for &p in &fillers {
-            if round.held[p] {
-                record(batch.outcomes, &round.fill(p).events, Outcome::Written);
+            if round.held(p) {
+                record(ledger.outcomes, &round.fill(p).events, Outcome::Written);
             }
         }
         Ok(())
@@ -451,16 +449,20 @@ impl<S: BucketDb> BucketWriter<S> {
     /// missed").
     async fn find_missed(
         &mut self,
-        batch: &mut Batch<'_>,
+        ledger: &mut Ledger<'_>,
         round: &mut Round,
-        fillers: &[usize],
+        fillers: &[PlanId],
     ) -> Result<(), StoreError> {
-        let asked: Vec<usize> = fillers.iter().copied().filter(|&p| round.held[p]).collect();
+        let asked: Vec<PlanId> = fillers.iter().copied().filter(|&p| round.held(p)).collect();
         let wanted: Vec<(CustomerId, String)> = asked
             .iter()
             .flat_map(|&p| {
-                let customer = &round.plans[p].0;
-                let keys = round.fill(p).events.iter().map(|&i| &batch.events[i].0.key);
+                let customer = round.customer(p);
+                let keys = round
+                    .fill(p)
+                    .events
+                    .iter()
+                    .map(|&i| &ledger.events[i].0.key);
                 keys.map(move |k| (customer.clone(), k.clone()))
             })
             .collect();
@@ -472,14 +474,14 @@ impl<S: BucketDb> BucketWriter<S> {
             stored_in.entry(key).or_default().push(bucket_id);
         }
         for p in asked {
-            let prefix = Prefix::of(&round.plans[p].0);
+            let prefix = Prefix::of(round.customer(p));
             let all_stored = round.fill(p).events.iter().all(|&i| {
-                let buckets = stored_in.get(batch.events[i].0.key.as_str());
+                let buckets = stored_in.get(ledger.events[i].0.key.as_str());
                 buckets.is_some_and(|ids| ids.iter().any(|id| prefix.owns(id)))
             });
             if all_stored {
                 // Ours or another's: written either way, and not again.
-                record(batch.outcomes, &round.fill(p).events, Outcome::Written);
+                record(ledger.outcomes, &round.fill(p).events, Outcome::Written);
             }
             round.mark_stale(p);
         }
@@ -495,11 +497,11 @@ impl<S: BucketDb> BucketWriter<S> {
     /// bucket, in one unordered insert ...
     async fn insert_firsts(
         &mut self,
-        batch: &mut Batch<'_>,
+        ledger: &mut Ledger<'_>,
         round: &mut Round,
     ) -> Result<(), StoreError> {
         let firsts = round.new_buckets(|n| 0..n.min(1));
-        self.insert(batch, round, firsts, false).await
+        self.insert(ledger, round, firsts, false).await
     }
 
     /// ... then the rest of the chains (only customers whose new events
@@ -507,20 +509,20 @@ impl<S: BucketDb> BucketWriter<S> {
     /// insert, for the customers whose first bucket went in.
     async fn insert_chains(
         &mut self,
-        batch: &mut Batch<'_>,
+        ledger: &mut Ledger<'_>,
         round: &mut Round,
     ) -> Result<(), StoreError> {
         let rest = round.new_buckets(|n| 1..n);
-        self.insert(batch, round, rest, true).await
+        self.insert(ledger, round, rest, true).await
     }
 
-    /// Inserts the new buckets `docs` names (plan, bucket), `ordered` or
-    /// not, and records what went in.
+    /// Inserts the new buckets `docs` names, `ordered` or not, and records
+    /// what went in.
     async fn insert(
         &mut self,
-        batch: &mut Batch<'_>,
+        ledger: &mut Ledger<'_>,
         round: &mut Round,
-        docs: Vec<(usize, usize)>,
+        docs: Vec<NewBucketId>,
         ordered: bool,
     ) -> Result<(), StoreError> {
         if docs.is_empty() {
@@ -528,9 +530,9 @@ impl<S: BucketDb> BucketWriter<S> {
         }
         let raw: Vec<RawDocumentBuf> = docs
             .iter()
-            .map(|&(p, b)| {
-                let nb = &round.plans[p].1.new_buckets[b];
-                bucket_document(nb, &batch.trades(&nb.events))
+            .map(|&b| {
+                let nb = round.new_bucket(b);
+                bucket_document(nb, &ledger.trades(&nb.events))
             })
             .collect();
         let timer = self.timer(WriteOperation::Insert);
@@ -539,8 +541,8 @@ impl<S: BucketDb> BucketWriter<S> {
         let mut refused_docs: HashSet<usize> = HashSet::new();
         for e in &outcome.errors {
             refused_docs.insert(e.index);
-            let (p, b) = docs[e.index];
-            round.failed(batch, p, Op::NewBucket(b), e);
+            let b = docs[e.index];
+            round.failed(ledger, b.plan, Op::NewBucket(b.nth), e);
         }
         // An ordered insert attempted nothing after its refusal: those
         // customers are planned again from their true state.
@@ -548,14 +550,14 @@ impl<S: BucketDb> BucketWriter<S> {
             (true, Some(e)) => e.index + 1,
             _ => docs.len(),
         };
-        for &(p, _) in &docs[attempted..] {
-            round.mark_stale(p);
+        for b in &docs[attempted..] {
+            round.mark_stale(b.plan);
         }
-        for (i, &(p, b)) in docs[..attempted].iter().enumerate() {
+        for (i, &b) in docs[..attempted].iter().enumerate() {
             if !refused_docs.contains(&i) {
-                let written = &round.plans[p].1.new_buckets[b].events;
-                record(batch.outcomes, written, Outcome::Written);
-                batch.stats.buckets_created += 1;
+                let written = &round.new_bucket(b).events;
+                record(ledger.outcomes, written, Outcome::Written);
+                ledger.stats.buckets_created += 1;
             }
         }
         Ok(())
@@ -564,17 +566,18 @@ impl<S: BucketDb> BucketWriter<S> {
     /// Customers whose every operation held are done, and the cache now
     /// holds their new newest bucket; the others are forgotten, to be
     /// reloaded next round.
-    fn settle(&mut self, batch: &mut Batch<'_>, round: &Round) {
+    fn settle(&mut self, ledger: &mut Ledger<'_>, round: &Round) {
         let unsettled: HashSet<&CustomerId> =
             round.conflicted.iter().chain(round.stale.iter()).collect();
-        for (p, (customer, plan)) in round.plans.iter().enumerate() {
-            if round.held[p] && !unsettled.contains(customer) {
-                self.cache.put(customer.clone(), plan.after.clone());
+        for (_, planned) in round.plans() {
+            let customer = &planned.customer;
+            if planned.held && !unsettled.contains(customer) {
+                self.cache.put(customer.clone(), planned.plan.after.clone());
                 // An isolated customer wrote part of its events: more may
                 // wait.
-                let done = all_final(batch.pending.get(customer), batch.outcomes);
-                if done || !batch.isolate.contains_key(customer) {
-                    batch.pending.remove(customer);
+                let done = all_final(ledger.pending.get(customer), ledger.outcomes);
+                if done || !ledger.isolate.contains_key(customer) {
+                    ledger.pending.remove(customer);
                 }
             }
         }
@@ -582,11 +585,11 @@ impl<S: BucketDb> BucketWriter<S> {
             self.cache.pop(customer);
             // Settled after all (a missed fill whose trades are all
             // stored): nothing left to plan, so nothing to reload.
-            if all_final(batch.pending.get(customer), batch.outcomes) {
-                batch.pending.remove(customer);
+            if all_final(ledger.pending.get(customer), ledger.outcomes) {
+                ledger.pending.remove(customer);
             }
         }
-        batch.stats.conflicts += round.conflicted.len();
+        ledger.stats.conflicts += round.conflicted.len();
     }
 
     /// After a duplicate-key error: which of the conflicted customers'
@@ -597,19 +600,19 @@ impl<S: BucketDb> BucketWriter<S> {
     /// buckets).
     async fn learn_stored_keys(
         &mut self,
-        batch: &mut Batch<'_>,
+        ledger: &mut Ledger<'_>,
         conflicted: &[CustomerId],
     ) -> Result<(), StoreError> {
-        let events = batch.events;
+        let events = ledger.events;
         let mut owner_of: HashMap<&str, Vec<usize>> = HashMap::new();
         for customer in conflicted {
-            for &i in batch
+            for &i in ledger
                 .pending
                 .get(customer)
                 .map(Vec::as_slice)
                 .unwrap_or(&[])
             {
-                let outcome = &batch.outcomes[i];
+                let outcome = &ledger.outcomes[i];
                 if !outcome.is_final() || *outcome == Outcome::Written {
                     owner_of
                         .entry(events[i].0.key.as_str())
@@ -626,14 +629,14 @@ impl<S: BucketDb> BucketWriter<S> {
             for &i in owner_of.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
                 let customer = &events[i].0.customer;
                 if Prefix::of(customer).owns(&bucket_id) {
-                    batch
+                    ledger
                         .known
                         .entry(customer.clone())
                         .or_default()
                         .elsewhere
                         .insert(key.clone());
-                } else if !batch.outcomes[i].is_final() {
-                    batch.outcomes[i] = Outcome::DeadLetter(Reject::new(
+                } else if !ledger.outcomes[i].is_final() {
+                    ledger.outcomes[i] = Outcome::DeadLetter(Reject::new(
                         RejectKind::TradeIdConflict,
                         // Not where: the other customer's bucket `_id`
                         // would put their id in this producer's dead letter.
@@ -666,7 +669,7 @@ fn stored_in_own_bucket(
 
 mod round;
 
-use round::{all_final, keys_of, record, Batch, Op, Round};
+use round::{all_final, keys_of, record, Ledger, NewBucketId, Op, PlanId, Round};
 
 #[cfg(test)]
 mod model;

@@ -1,19 +1,21 @@
-//! The writer's bookkeeping: a `Batch` (what lasts across rounds: the
-//! outcomes, the customers still pending, what the database told us) and a
-//! `Round` (one round's plans, which of them held, and what went wrong).
+//! The writer's bookkeeping: a `Ledger` (one `write` call's events and
+//! what lasts across its rounds: the outcomes, the customers still pending,
+//! what the database told us) and a `Round` (one round's plans, each with
+//! whether it held, and what went wrong), addressed by typed indices
+//! (`PlanId`, `NewBucketId`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
 use super::Outcome;
-use crate::bucket::plan::{CustomerPlan, Fill, Known, UnreadableBucket};
+use crate::bucket::plan::{CustomerPlan, Fill, Known, NewBucket, UnreadableBucket};
 use crate::bucket::store::StatementError;
 use crate::bucket::writer::WriteStats;
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 
 /// One `write` call: the events, their outcomes, and what the rounds learn
 /// about them along the way.
-pub(super) struct Batch<'a> {
+pub(super) struct Ledger<'a> {
     pub(super) events: &'a [(Trade, Source)],
     /// One per event; `Pending` until settled.
     pub(super) outcomes: &'a mut [Outcome],
@@ -37,7 +39,7 @@ pub(super) struct Batch<'a> {
     pub(super) stats: WriteStats,
 }
 
-impl<'a> Batch<'a> {
+impl<'a> Ledger<'a> {
     /// Every customer with an event not yet settled (a retried batch keeps
     /// the outcomes of the failed call).
     pub(super) fn new(events: &'a [(Trade, Source)], outcomes: &'a mut [Outcome]) -> Self {
@@ -51,7 +53,7 @@ impl<'a> Batch<'a> {
             customers: pending.len(),
             ..WriteStats::default()
         };
-        Batch {
+        Ledger {
             events,
             outcomes,
             pending,
@@ -119,12 +121,29 @@ pub(super) enum Op {
     NewBucket(usize),
 }
 
+/// A plan's place in its round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct PlanId(usize);
+
+/// One new bucket of a round: its plan, and its place in the plan's chain.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct NewBucketId {
+    pub(super) plan: PlanId,
+    pub(super) nth: usize,
+}
+
+/// One customer's plan in a round.
+pub(super) struct Planned {
+    pub(super) customer: CustomerId,
+    pub(super) plan: CustomerPlan,
+    /// Every operation so far went in. Once false, none of the plan's
+    /// later operations is sent (a chain never skips a bucket).
+    pub(super) held: bool,
+}
+
 /// One round: the plans with writes, and what the database said of them.
 pub(super) struct Round {
-    pub(super) plans: Vec<(CustomerId, CustomerPlan)>,
-    /// Per plan: every operation so far went in. Once false, none of the
-    /// plan's later operations is sent (a chain never skips a bucket).
-    pub(super) held: Vec<bool>,
+    plans: Vec<Planned>,
     /// Hit a duplicate key: reloaded, and their stored keys looked up.
     pub(super) conflicted: Vec<CustomerId>,
     /// Our view of them is wrong or unknown (a guard missed, a refusal, a
@@ -137,8 +156,15 @@ pub(super) struct Round {
 
 impl Round {
     pub(super) fn new(plans: Vec<(CustomerId, CustomerPlan)>) -> Self {
+        let plans = plans
+            .into_iter()
+            .map(|(customer, plan)| Planned {
+                customer,
+                plan,
+                held: true,
+            })
+            .collect();
         Round {
-            held: vec![true; plans.len()],
             plans,
             conflicted: Vec::new(),
             stale: Vec::new(),
@@ -146,52 +172,97 @@ impl Round {
         }
     }
 
-    pub(super) fn fill(&self, p: usize) -> &Fill {
-        self.plans[p].1.fill.as_ref().expect("a plan with a fill")
+    pub(super) fn is_empty(&self) -> bool {
+        self.plans.is_empty()
     }
 
-    /// The batch indices an operation writes.
-    pub(super) fn events(&self, p: usize, op: Op) -> &[usize] {
-        match op {
-            Op::Fill => &self.fill(p).events,
-            Op::NewBucket(b) => &self.plans[p].1.new_buckets[b].events,
-        }
-    }
-
-    /// `(plan, bucket)` for the new buckets `which(n)` selects of each plan
-    /// of `n` new buckets whose operations have all held so far.
-    pub(super) fn new_buckets(&self, which: impl Fn(usize) -> Range<usize>) -> Vec<(usize, usize)> {
+    /// Every plan, in order.
+    pub(super) fn plans(&self) -> impl Iterator<Item = (PlanId, &Planned)> {
         self.plans
             .iter()
             .enumerate()
-            .filter(|&(p, _)| self.held[p])
-            .flat_map(|(p, (_, plan))| which(plan.new_buckets.len()).map(move |b| (p, b)))
+            .map(|(p, planned)| (PlanId(p), planned))
+    }
+
+    pub(super) fn get(&self, p: PlanId) -> &Planned {
+        &self.plans[p.0]
+    }
+
+    pub(super) fn customer(&self, p: PlanId) -> &CustomerId {
+        &self.get(p).customer
+    }
+
+    pub(super) fn held(&self, p: PlanId) -> bool {
+        self.get(p).held
+    }
+
+    /// The fill of a plan that has one (the caller chose `p` for it).
+    pub(super) fn fill(&self, p: PlanId) -> &Fill {
+        self.get(p).plan.fill.as_ref().expect("a plan with a fill")
+    }
+
+    pub(super) fn new_bucket(&self, b: NewBucketId) -> &NewBucket {
+        &self.get(b.plan).plan.new_buckets[b.nth]
+    }
+
+    /// The batch indices an operation writes.
+    pub(super) fn events(&self, p: PlanId, op: Op) -> &[usize] {
+        match op {
+            Op::Fill => &self.fill(p).events,
+            Op::NewBucket(nth) => &self.new_bucket(NewBucketId { plan: p, nth }).events,
+        }
+    }
+
+    /// The plans with a fill.
+    pub(super) fn fillers(&self) -> Vec<PlanId> {
+        self.plans()
+            .filter(|(_, planned)| planned.plan.fill.is_some())
+            .map(|(p, _)| p)
+            .collect()
+    }
+
+    /// The new buckets `which(n)` selects of each plan of `n` new buckets
+    /// whose operations have all held so far.
+    pub(super) fn new_buckets(&self, which: impl Fn(usize) -> Range<usize>) -> Vec<NewBucketId> {
+        self.plans()
+            .filter(|(_, planned)| planned.held)
+            .flat_map(|(plan, planned)| {
+                which(planned.plan.new_buckets.len()).map(move |nth| NewBucketId { plan, nth })
+            })
             .collect()
     }
 
     /// MongoDB refused `op` of plan `p`. A duplicate key means another
     /// write got there first: a conflict, settled from the true state. A
-    /// refusal of the data is permanent (see [`Batch::refused`]); any other
-    /// code makes the batch retry.
-    pub(super) fn failed(&mut self, batch: &mut Batch<'_>, p: usize, op: Op, e: &StatementError) {
-        self.held[p] = false;
+    /// refusal of the data is permanent (see [`Ledger::refused`]); any
+    /// other code makes the batch retry.
+    pub(super) fn failed(
+        &mut self,
+        ledger: &mut Ledger<'_>,
+        p: PlanId,
+        op: Op,
+        e: &StatementError,
+    ) {
+        self.plans[p.0].held = false;
+        let customer = self.customer(p).clone();
         if e.is_duplicate_key() {
-            self.conflicted.push(self.plans[p].0.clone());
+            self.conflicted.push(customer);
         } else if e.refuses_data() {
-            batch.refused(&self.plans[p].0, self.events(p, op), &e.message);
-            self.stale.push(self.plans[p].0.clone());
+            ledger.refused(&customer, self.events(p, op), &e.message);
+            self.stale.push(customer);
         } else {
-            self.stale.push(self.plans[p].0.clone());
+            self.stale.push(customer);
             self.transient.get_or_insert_with(|| e.clone());
         }
     }
 
     /// Plan `p` is not known to have gone in: if it had held so far, it is
     /// stale (a plan that already failed is accounted for).
-    pub(super) fn mark_stale(&mut self, p: usize) {
-        if self.held[p] {
-            self.held[p] = false;
-            self.stale.push(self.plans[p].0.clone());
+    pub(super) fn mark_stale(&mut self, p: PlanId) {
+        let planned = &mut self.plans[p.0];
+        if planned.held {
+            planned.held = false;
+            self.stale.push(planned.customer.clone());
         }
     }
 }
