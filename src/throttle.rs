@@ -11,7 +11,16 @@ pub struct Throttle {
     suppressed: u64,
 }
 
+/// At most one warning per this interval on a hot path.
+pub const HOT_PATH_EVERY: Duration = Duration::from_secs(1);
+
 impl Throttle {
+    /// One line per [`HOT_PATH_EVERY`]: the loop's and the stage's
+    /// warnings.
+    pub fn hot_path() -> Self {
+        Throttle::new(HOT_PATH_EVERY)
+    }
+
     pub fn new(every: Duration) -> Self {
         Throttle {
             every,

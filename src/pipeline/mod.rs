@@ -14,7 +14,6 @@
 //! (`tests.rs`); [`adapters`] has the production implementations.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -48,11 +47,6 @@ pub enum PipelineError {
     #[error("fatal Kafka consumer error: {0}")]
     FatalConsumer(String),
 }
-
-/// At most one warning per this interval on a hot path.
-pub(crate) const HOT_LOG_EVERY: Duration = Duration::from_secs(1);
-/// How often an idle loop turns (and ticks liveness) without a record.
-pub(crate) const IDLE_TICK: Duration = Duration::from_secs(1);
 
 /// The worker, connected to Kafka and MongoDB.
 pub struct Pipeline(Worker<KafkaIntake, BucketWriter, KafkaDeadLetters>);

@@ -11,8 +11,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::error_chain;
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
-use super::{error_chain, HOT_LOG_EVERY};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
 use crate::event::{Reject, Source, Trade};
@@ -88,7 +88,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
             settings,
             metrics,
             health,
-            dead_letter_log: Throttle::new(HOT_LOG_EVERY),
+            dead_letter_log: Throttle::hot_path(),
         }
     }
 

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record};
 use super::stage::{decode_batch, Closed, Done, Stage};
-use super::{PipelineError, HOT_LOG_EVERY, IDLE_TICK};
+use super::PipelineError;
 use crate::config::Settings;
 use crate::health::{now_ms, Health};
 use crate::kafka::GroupEvent;
@@ -44,6 +44,9 @@ use crate::throttle::Throttle;
 /// records, fetched again on resume), short against `max.poll.interval.ms`
 /// (at most a quarter of it, see `hold_grace`).
 pub(super) const HOLD_GRACE: Duration = Duration::from_secs(5);
+
+/// How often an idle loop turns (and ticks liveness) without a record.
+const IDLE_TICK: Duration = Duration::from_secs(1);
 
 /// The batch being filled.
 #[derive(Default)]
@@ -209,7 +212,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             health,
             forget: false,
             phase: Phase::Running,
-            consumer_error_log: Throttle::new(HOT_LOG_EVERY),
+            consumer_error_log: Throttle::hot_path(),
             rate_limit: RateLimit::new(settings.rate_limit.events_per_second),
             write_at: None,
             settings,

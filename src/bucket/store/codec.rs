@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use mongodb::bson::{rawdoc, Bson, Document, RawArrayBuf, RawBson, RawDocumentBuf};
 
-use super::SHARD_KEY_FIELD;
+use super::layout::SHARD_KEY_FIELD;
 use crate::bucket::plan::{BucketHead, Fill, NewBucket, UnreadableBucket};
 use crate::event::{CustomerId, Trade};
 

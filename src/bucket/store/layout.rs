@@ -7,8 +7,15 @@ use mongodb::options::IndexOptions;
 use mongodb::IndexModel;
 
 use super::error::{command_code, InitError, StoreError};
-use super::{bounded, in_time, whole_number, BucketStore, SHARD_KEY_FIELD};
+use super::{bounded, in_time, whole_number, BucketStore};
 use crate::event::CustomerId;
+
+/// The shard key of sharded mode. Ranged, not hashed: MongoDB enforces a
+/// unique index across shards only when it starts with the shard key, and
+/// documents that for ranged shard keys; a hashed key index cannot be
+/// unique itself. Ranged on the customer also keeps a customer's buckets
+/// in one chunk, so its page query is one shard's.
+pub const SHARD_KEY_FIELD: &str = "customerId";
 
 /// The server's answer for a collection or database that does not exist.
 const NAMESPACE_NOT_FOUND: i32 = 26;

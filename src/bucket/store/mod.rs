@@ -39,7 +39,7 @@ pub use error::{
     FillOutcome, InitError, InsertOutcome, StatementError, StoreError, CLIENT_REFUSED,
     DUPLICATE_KEY,
 };
-pub use layout::{layout_conflict, ShardState};
+pub use layout::{layout_conflict, ShardState, SHARD_KEY_FIELD};
 use write::{chunk_by_size, insert_failure, parse_write_reply, write_concern, write_concern_doc};
 
 use std::collections::{BTreeMap, HashSet};
@@ -62,13 +62,6 @@ use secrecy::ExposeSecret;
 
 use crate::config::Settings;
 use crate::event::CustomerId;
-
-/// The shard key of sharded mode. Ranged, not hashed: MongoDB enforces a
-/// unique index across shards only when it starts with the shard key, and
-/// documents that for ranged shard keys; a hashed key index cannot be
-/// unique itself. Ranged on the customer also keeps a customer's buckets
-/// in one chunk, so its page query is one shard's.
-pub const SHARD_KEY_FIELD: &str = "customerId";
 
 /// Customers per `find_keys` query in sharded mode: each is one branch of
 /// an `$or`, which the server plans branch by branch.
