@@ -817,9 +817,9 @@ async fn the_rate_limit_spaces_batches_with_partitions_paused_and_polled() {
 
 /// An eager rebalance revokes everything while the loop holds at the
 /// bound: the hold still pauses (nothing) and polls, so the new assignment
-/// arrives and is paused in turn. Before, a hold with nothing to pause
-/// never polled and its pause was always due: the loop spun at a full core
-/// and could not hear of the assignment until the write ended. Stepped
+/// arrives and is paused in turn. A hold with nothing to pause that did not
+/// poll would find its pause always due: the loop would spin at a full
+/// core and not hear of the assignment until the write ended. Stepped
 /// with `advance` and yields past the grace, because a spinning loop never
 /// lets a paused clock move on by itself: this way that bug fails the
 /// assertions instead of hanging the test.
@@ -867,9 +867,9 @@ async fn a_hold_with_an_empty_assignment_polls_and_does_not_spin() {
 
 /// A record delivered while paused (a partition assigned but not yet
 /// paused) is kept, but opens no batch beyond the bound: the hold stays
-/// until a closed batch is handled. Before, the stray record's open batch
-/// released the hold at once and filled on, so `max_in_flight + 1`
-/// batches were in memory.
+/// until a closed batch is handled. Were the stray record's open batch
+/// to release the hold, it would fill on, and `max_in_flight + 1` batches
+/// would be in memory.
 #[tokio::test(start_paused = true)]
 async fn a_record_delivered_while_paused_does_not_release_the_hold() {
     let h = Harness::start(

@@ -514,8 +514,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// written, are *kept* and written. A record librdkafka has delivered
     /// may not be delivered again: when a partition is revoked and handed
     /// straight back, it resumes after the last delivered record, not at
-    /// the committed offset, so dropping them would lose those trades (a
-    /// test caught exactly that). Writing them is safe whoever owns the
+    /// the committed offset, so dropping them would lose those trades.
+    /// Writing them is safe whoever owns the
     /// partition now, because every write is guarded; only their commit is
     /// left to the owner (see `commit`), and the tracker keeps them in
     /// flight so that, handed back, the partition commits nothing past

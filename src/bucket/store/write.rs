@@ -201,7 +201,8 @@ mod tests {
 
     /// A reply that names a statement we did not send (or counts more
     /// matches than statements) is an error to retry, not an index to
-    /// crash on: before, the writer indexed its statements with it.
+    /// crash on (indexing the statements with it would panic on the same
+    /// batch after every restart).
     #[test]
     fn a_reply_naming_statements_never_sent_is_an_error_not_an_index() {
         let error_at = |index: Bson| {
