@@ -2,35 +2,17 @@
 //! customer's events from one batch, decide which events are already
 //! stored, which fill the open bucket and which open new buckets. Pure.
 //!
-//! Why the plan is safe to execute against a database other writers may
-//! touch (a zombie after a rebalance, a customer spread over partitions):
-//! - the fill is guarded on the bucket's `count`: counts only grow, so a
-//!   matching count means nobody appended since we last saw the bucket, and
-//!   our copy of its keys and watermark is exact;
-//! - a new bucket names its predecessor in `prev`, under a unique index: one
-//!   successor per bucket, and we only plan a successor for a bucket we have
-//!   seen full, so every bucket but the newest is full;
-//! - "full" is a property of the stored bucket, never of this process or of
-//!   the incoming trade: each bucket stores the limits it was opened with
-//!   (`cap`, `capBytes`) and a bound of its size (`bytes`, see
-//!   [`super::size`]), and is full when `count >= cap` or
-//!   `bytes >= capBytes`. Writers with different `buckets.capacity` (a
-//!   rolling update that changes it) therefore agree on every bucket: one
-//!   never appends to a bucket another has already seen full and given a
-//!   successor. The guard stays `{_id, count}`: `bytes` only changes with
-//!   `count`, in the same update, so the same count means the same bytes;
-//! - `history.key` is unique across documents, so a trade cannot land in two
-//!   buckets; within the open bucket the exact key copy catches it;
-//! - `wm` (watermark) maps each source partition to the highest offset whose
-//!   event is in the customer's buckets, advanced in the same atomic update
-//!   as the append. Events of one partition are applied in offset order, so
-//!   everything at or below it is already stored: replays skip it. (Unless
-//!   the offsets went backwards under the same topic name; the writer looks
-//!   such events' keys up, see [`Known::not_stored`].)
-//!
-//! Any guard miss or duplicate key means our view was stale: reload the
-//! newest bucket and plan again. Re-planning is idempotent by the rules
-//! above, which is what makes the effect exactly-once.
+//! The plan is safe to execute against a database other writers touch (a
+//! zombie after a rebalance, a customer spread over partitions) because of
+//! the rules argued in docs/design.md, "Why the effect is exactly-once":
+//! the fill is guarded on the bucket's `count`; a new bucket names its
+//! predecessor under a unique `prev`; "full" is a property of the stored
+//! bucket (`cap`, `capBytes`, `bytes`: [`super::size`]), never of this
+//! process; `history.key` is unique; and the watermark `wm` advances in the
+//! same update as the append (offsets that went backwards:
+//! [`Known::not_stored`]). Any guard miss or duplicate key means our view
+//! was stale: the writer reloads the newest bucket and plans again, which
+//! those rules make idempotent.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
