@@ -98,7 +98,7 @@ pub(crate) fn whole_number(v: &Bson) -> Option<i64> {
 
 /// The guarded append: matches only if nobody appended since we looked.
 /// In sharded mode `shard_key` is the customer's (see
-/// [`BucketStore::shard_key`]), so mongos sends it to one shard. The same
+/// [`super::BucketStore::shard_key`]), so mongos sends it to one shard. The same
 /// count means the same `bytes` (both change only here, together), so the
 /// guard also vouches for the size bound the plan started from.
 pub fn fill_statement(

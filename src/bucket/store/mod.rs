@@ -211,7 +211,7 @@ impl BucketStore {
 
     /// The newest bucket of `customer` (highest `_id` in its prefix range),
     /// with just the fields planning needs; a bucket whose fields we cannot
-    /// plan against is reported, not an error (see [`UnreadableBucket`]).
+    /// plan against is reported, not an error (see [`UnreadableBucket`](crate::bucket::plan::UnreadableBucket)).
     pub async fn load_head(&self, customer: &CustomerId) -> Result<LoadedHead, StoreError> {
         let options = FindOneOptions::builder()
             .sort(doc! {"_id": -1})
