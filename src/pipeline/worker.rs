@@ -223,7 +223,10 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// `shutdown.drain_timeout`) and leaves the group; or, after a fatal
     /// consumer error, writes what it holds and returns the error (the
     /// process then exits non-zero, to be restarted).
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), PipelineError> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), PipelineError>
+    where
+        Self: Send + 'static,
+    {
         let mut ticker = tokio::time::interval(IDLE_TICK);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut writing = None;
@@ -274,15 +277,23 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                 Wake::Tick => {}
             }
         }
-        self.stop()
+        drop(writing);
+        let end = self.stop();
+        // Dropping the consumer closes it, and that blocks: librdkafka
+        // leaves the group and runs the revoke callback, whose commit is
+        // synchronous. On a blocking thread, so the runtime's other tasks
+        // (the HTTP endpoints; in tests, another worker of the same group,
+        // which the close may be waiting for) run meanwhile.
+        let _ = tokio::task::spawn_blocking(move || drop(self)).await;
+        end
     }
 
     /// The final commit and leaving the group.
-    fn stop(mut self) -> Result<(), PipelineError> {
+    fn stop(&mut self) -> Result<(), PipelineError> {
         self.health.draining();
         self.commit(Commit::Sync);
         self.intake.leave();
-        let end = self.phase.end();
+        let end = std::mem::replace(&mut self.phase, Phase::Running).end();
         if end.is_ok() {
             tracing::info!("stopped: offsets committed, left the consumer group");
         }
