@@ -612,9 +612,7 @@ impl Pipeline {
     /// One batch through every stage up to `self.last`.
     fn batch(&mut self, wire: &[Wire], measure: bool) -> anyhow::Result<()> {
         let n = wire.len();
-        let records = self.timed(Stage::Intake, n, measure, |p| {
-            stage_intake(&p.topic, wire)
-        });
+        let records = self.timed(Stage::Intake, n, measure, |p| stage_intake(&p.topic, wire));
         let decoded = self.timed(Stage::Decode, n, measure, |p| {
             stage_decode(&records, p.max_bytes)
         });
