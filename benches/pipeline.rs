@@ -195,8 +195,8 @@ async fn check_runs(
     Ok((audit, reconcile))
 }
 
-/// 6. Delay at the target's steady load, and at fractions of the measured
-/// throughput (`first_rate`), to show where the delay comes from.
+/// Step 6: delay at the target's steady load, and at fractions of the
+/// measured throughput (`first_rate`), to show where the delay comes from.
 async fn delays(
     args: &Args,
     target: &Target,
