@@ -695,17 +695,18 @@ fn main() -> anyhow::Result<()> {
     // The cold write's batch is the first measured one, against the heads
     // the warm-up left.
     let first = stream.batch(batch);
-    let cold = if args.stage.is_none() {
+    let (cold, entry_bytes) = if args.stage.is_none() {
         let records = stage_intake(&p.topic, &first);
         let decoded = stage_decode(&records, p.max_bytes);
-        Some(cold_write(
-            &settings,
-            &p.heads,
-            &decoded.events,
-            args.cold_repeats,
-        ))
+        let entries: usize = decoded
+            .events
+            .iter()
+            .map(|(t, _)| t.doc.as_bytes().len())
+            .sum();
+        let cold = cold_write(&settings, &p.heads, &decoded.events, args.cold_repeats);
+        (Some(cold), entries / decoded.events.len().max(1))
     } else {
-        None
+        (None, 0)
     };
     let sent_before = p.writer.store().sent().clone();
     measuring_starts();
@@ -727,6 +728,7 @@ fn main() -> anyhow::Result<()> {
         cold: cold.as_ref(),
         sent: &sent,
         payload_bytes,
+        entry_bytes,
         load: [load_before, load_average()],
     };
     report.print();
@@ -772,6 +774,8 @@ struct Report<'a> {
     cold: Option<&'a (Meter, Sent)>,
     sent: &'a Sent,
     payload_bytes: usize,
+    /// A trade's history entry as stored (BSON), on average.
+    entry_bytes: usize,
     load: [f64; 2],
 }
 
@@ -827,11 +831,13 @@ impl Report<'_> {
             per(s.fill_statements + s.inserted_buckets)
         );
         println!(
-            "  BSON bytes: fills {:.0}, new buckets {:.0}, commands {:.0} (payload JSON {} B/event)",
+            "  BSON bytes: fills {:.0}, new buckets {:.0}, commands {:.0} \
+             (payload JSON {} B/event, history entry {} B)",
             per(s.fill_statement_bytes),
             per(s.bucket_bytes),
             per(s.command_bytes),
-            self.payload_bytes
+            self.payload_bytes,
+            self.entry_bytes
         );
         println!(
             "  per batch: {:.1} update commands, {:.1} insert commands, {:.1} head loads, {:.1} key lookups",
@@ -867,6 +873,7 @@ impl Report<'_> {
             "sent_steady": self.sent,
             "events_steady": self.events(),
             "payload_bytes_per_event": self.payload_bytes,
+            "history_entry_bytes": self.entry_bytes,
         });
         if let Some(dir) = self.args.json.parent() {
             std::fs::create_dir_all(dir)?;

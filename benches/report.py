@@ -212,7 +212,8 @@ for name, entry in cpu_rows:
     if not entry:
         continue
     c = entry.get("cpu_per_million") or {}
-    parts = [c.get("worker", c.get("consumer")), c.get("broker"), c.get("database")]
+    own = c.get("worker") if c.get("worker") is not None else c.get("consumer")
+    parts = [own, c.get("broker"), c.get("database")]
     total = sum(x for x in parts if x is not None)
     lines.append(f"| {name} | {' | '.join(us(x) for x in parts)} | {total:.2f} |")
 lines += [
