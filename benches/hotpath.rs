@@ -30,8 +30,9 @@
 //! trade. Times on this shared machine are noisy; `scripts/hotpath-callgrind`
 //! counts instructions per stage (`--stage`), which repeat to the unit.
 //!
-//! `cargo bench --bench hotpath [-- --batches 10]`; the allocator trial is
-//! `--features bench-mimalloc` or `--features bench-jemalloc`.
+//! `cargo bench --bench hotpath [-- --batches 10]`; with mimalloc instead
+//! of glibc's allocator: `--features bench-mimalloc` (docs/benchmarks.md,
+//! "Allocator trial").
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::collections::{BTreeMap, HashMap};
@@ -65,23 +66,17 @@ use tradebucket::pipeline::{decode_batch, Decoded, Record};
 // it, so a stage's count is the difference of two readings around it (the
 // program is single-threaded while measuring).
 
-#[cfg(not(any(feature = "bench-mimalloc", feature = "bench-jemalloc")))]
+#[cfg(not(feature = "bench-mimalloc"))]
 type Inner = std::alloc::System;
-#[cfg(not(any(feature = "bench-mimalloc", feature = "bench-jemalloc")))]
+#[cfg(not(feature = "bench-mimalloc"))]
 const INNER: Inner = std::alloc::System;
 #[cfg(feature = "bench-mimalloc")]
 type Inner = mimalloc::MiMalloc;
 #[cfg(feature = "bench-mimalloc")]
 const INNER: Inner = mimalloc::MiMalloc;
-#[cfg(all(feature = "bench-jemalloc", not(feature = "bench-mimalloc")))]
-type Inner = tikv_jemallocator::Jemalloc;
-#[cfg(all(feature = "bench-jemalloc", not(feature = "bench-mimalloc")))]
-const INNER: Inner = tikv_jemallocator::Jemalloc;
 
 const ALLOCATOR: &str = if cfg!(feature = "bench-mimalloc") {
     "mimalloc"
-} else if cfg!(feature = "bench-jemalloc") {
-    "jemalloc"
 } else {
     "system (glibc)"
 };
