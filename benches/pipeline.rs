@@ -8,6 +8,8 @@
 //! - the database ceiling: the final bucket documents, planned offline,
 //!   written with unordered bulk inserts;
 //! - the Kafka read ceiling: reading the topic without processing;
+//! - the worker's floor: a plain consumer of the same backlog in a process
+//!   of its own (this program, `--plain-consumer`), with its own CPU;
 //! - CPU-seconds per million events of the worker, the broker and the
 //!   database server in each phase (`Cpu`, from /proc/PID/stat);
 //! - the worker's peak RSS, and the delay from message timestamp to
