@@ -8,6 +8,8 @@
 //! - the database ceiling: the final bucket documents, planned offline,
 //!   written with unordered bulk inserts;
 //! - the Kafka read ceiling: reading the topic without processing;
+//! - the worker's floor: a plain consumer of the same backlog in a process
+//!   of its own (this program, `--plain-consumer`), with its own CPU;
 //! - CPU-seconds per million events of the worker, the broker and the
 //!   database server in each phase (`Cpu`, from /proc/PID/stat);
 //! - the worker's peak RSS, and the delay from message timestamp to
@@ -76,6 +78,11 @@ struct Args {
     // `cargo bench` passes --bench; accept and ignore it.
     #[arg(long, hide = true)]
     bench: bool,
+    /// Internal: be the plain consumer of this topic (`--events` records
+    /// from `--partitions` partitions), a process of its own so that its
+    /// CPU is its own (see `plain_consumer`).
+    #[arg(long, hide = true)]
+    plain_consumer: Option<String>,
 }
 
 /// One sample of a running worker.
@@ -106,6 +113,9 @@ fn bin() -> &'static Path {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(topic) = &args.plain_consumer {
+        return plain_consumer_child(&args, topic);
+    }
     std::fs::create_dir_all(&args.out)?;
     let run_id = chrono::Utc::now().format("%Y%m%d%H%M%S").to_string();
     let target = Target::new(
@@ -132,9 +142,43 @@ async fn main() -> anyhow::Result<()> {
     let ceilings = ceilings(&args, &target).await?;
     let mut samples = Vec::new();
     let (first, second) = worker_runs(&args, &target, &mut samples).await?;
+    let (audit, reconcile) = check_runs(&args, &target, &ceilings, &first, &second).await?;
+    let delays = delays(&args, &target, first.events_per_second).await?;
+
+    let results = json!({
+        "run_id": run_id,
+        "machine": machine(),
+        "events": args.events,
+        "customers": args.customers,
+        "partitions": args.partitions,
+        "produce_events_per_second": produce_rate,
+        "kafka_read_ceiling": ceilings["kafka_read_ceiling"],
+        "plain_consumer": ceilings["plain_consumer"],
+        "database_ceiling": ceilings["database_ceiling"],
+        "naive_baseline": ceilings["naive_baseline"],
+        "tradebucket_first": first,
+        "tradebucket_second": second,
+        "delays": delays,
+        "reconcile": reconcile,
+        "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
+    });
+    write_results(&args.out, &results, &samples)
+}
+
+/// After the worker runs: the audit (every trade stored once), reconcile
+/// over the same records, and the ceiling's indexes checked against the
+/// product's.
+async fn check_runs(
+    args: &Args,
+    target: &Target,
+    ceilings: &serde_json::Value,
+    first: &WorkerRun,
+    second: &Option<WorkerRun>,
+) -> anyhow::Result<(cli::AuditReport, serde_json::Value)> {
+    let settings = target.settings();
     let audit = cli::audit(&settings, None).await?;
     let worker_seconds = first.seconds + second.as_ref().map_or(0.0, |s| s.seconds);
-    let reconcile = reconcile_run(&target, worker_seconds).await?;
+    let reconcile = reconcile_run(target, worker_seconds).await?;
     // The ceiling is only a ceiling of the same work with the same indexes.
     let store = BucketStore::connect(&settings).await?;
     let product_indexes = index_keys(store.collection()).await?;
@@ -150,17 +194,24 @@ async fn main() -> anyhow::Result<()> {
         audit.trades,
         audit.violations
     );
+    Ok((audit, reconcile))
+}
 
-    // 6. Delay at a steady half of the measured throughput (the target),
-    // and at lighter loads, to show where the delay comes from.
+/// Step 6: delay at the target's steady load, and at fractions of the
+/// measured throughput (`first_rate`), to show where the delay comes from.
+async fn delays(
+    args: &Args,
+    target: &Target,
+    first_rate: f64,
+) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut delays = Vec::new();
     let steady = (args.steady_rate > 0).then_some((args.steady_rate, None));
     let fractions = args
         .latency_fractions
         .iter()
-        .map(|&f| (((first.events_per_second * f) as u64).max(1), Some(f)));
+        .map(|&f| (((first_rate * f) as u64).max(1), Some(f)));
     for (n, (rate, fraction)) in steady.into_iter().chain(fractions).enumerate() {
-        let mut latency = steady_delay(&target, &args, rate, n, fraction.is_none()).await?;
+        let mut latency = steady_delay(target, args, rate, n, fraction.is_none()).await?;
         eprintln!(
             "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s; sampled {}",
             latency["p50_seconds"], latency["p99_seconds"], latency["sampled"]
@@ -168,24 +219,7 @@ async fn main() -> anyhow::Result<()> {
         latency["fraction_of_max"] = json!(fraction);
         delays.push(latency);
     }
-
-    let results = json!({
-        "run_id": run_id,
-        "machine": machine(),
-        "events": args.events,
-        "customers": args.customers,
-        "partitions": args.partitions,
-        "produce_events_per_second": produce_rate,
-        "kafka_read_ceiling": ceilings["kafka_read_ceiling"],
-        "database_ceiling": ceilings["database_ceiling"],
-        "naive_baseline": ceilings["naive_baseline"],
-        "tradebucket_first": first,
-        "tradebucket_second": second,
-        "delays": delays,
-        "reconcile": reconcile,
-        "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
-    });
-    write_results(&args.out, &results, &samples)
+    Ok(delays)
 }
 
 /// The generator's options for `count` events from trade number `first_id`
@@ -222,6 +256,11 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Va
     let kafka_cpu = before.per_million(&cpu.snapshot(None), args.events);
     let kafka_rate = args.events as f64 / kafka_secs;
     eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s, CPU-s per million {kafka_cpu}");
+    let plain = plain_consumer(args, target, &cpu)?;
+    eprintln!(
+        "bench: plain consumer (own process), CPU-s per million {}",
+        plain["cpu_per_million"]
+    );
 
     let db = database_ceiling(target, &messages, args.ceiling_concurrency, &cpu).await?;
     let db_rate = args.events as f64 / db.seconds;
@@ -237,12 +276,79 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Va
     Ok(json!({
         "kafka_read_ceiling": {"seconds": kafka_secs, "events_per_second": kafka_rate,
                                "cpu_per_million": kafka_cpu},
+        "plain_consumer": plain,
         "database_ceiling": {"seconds": db.seconds, "events_per_second": db_rate,
                              "documents": db.documents, "concurrency": args.ceiling_concurrency,
                              "indexes": db.indexes, "cpu_per_million": db.cpu},
         "naive_baseline": {"events": args.naive_events, "events_per_second": naive_rate,
                            "cpu_per_million": naive_cpu},
     }))
+}
+
+/// Step 2b, the worker's floor: a plain consumer reading the same backlog
+/// in a process of its own (this program again, `--plain-consumer`), so
+/// that its CPU, which the in-process read ceiling above cannot tell from
+/// this program's, is measured as the worker's is: from /proc/PID/stat of
+/// its process (it reads its own before exiting). The servers' CPU over
+/// its run is measured beside it.
+fn plain_consumer(args: &Args, target: &Target, cpu: &Cpu) -> anyhow::Result<serde_json::Value> {
+    let before = cpu.snapshot(None);
+    let started = Instant::now();
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(["--plain-consumer", &target.topic])
+        .args(["--partitions", &args.partitions.to_string()])
+        .args(["--events", &args.events.to_string()])
+        .env_clear()
+        .envs(&target.vars)
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
+    let seconds = started.elapsed().as_secs_f64();
+    let mut cpu_per_million = before.per_million(&cpu.snapshot(None), args.events);
+    anyhow::ensure!(out.status.success(), "the plain consumer failed");
+    let own: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let own_seconds = own["cpu_seconds"].as_f64().unwrap_or(f64::NAN);
+    cpu_per_million["consumer"] = json!(own_seconds / args.events.max(1) as f64 * 1e6);
+    Ok(json!({
+        "seconds": seconds,
+        "read_seconds": own["seconds"],
+        "events_per_second": args.events as f64 / seconds,
+        "cpu_per_million": cpu_per_million,
+    }))
+}
+
+/// The plain consumer's process: reads `args.events` records of `topic`
+/// from the beginning with librdkafka's defaults (the read ceiling's
+/// client), looking at each payload and nothing more, then prints its own
+/// CPU-seconds (after closing the client, whose threads count too).
+fn plain_consumer_child(args: &Args, topic: &str) -> anyhow::Result<()> {
+    let settings = testkit::settings::load(&testkit::settings::from_process_env());
+    let consumer = kafka_consumer(&settings, "bench-plain")?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..args.partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+    }
+    consumer.assign(&tpl)?;
+    let (mut read, mut bytes) = (0u64, 0usize);
+    let started = Instant::now();
+    while read < args.events {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(600),
+            "read only {read} of {}",
+            args.events
+        );
+        if let Some(m) = consumer.poll(Duration::from_millis(100)) {
+            bytes += m?.payload().map_or(0, <[u8]>::len);
+            read += 1;
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    drop(consumer);
+    let cpu = Cpu::of_process().seconds(std::process::id());
+    println!(
+        "{}",
+        json!({"events": read, "payload_bytes": bytes, "seconds": seconds, "cpu_seconds": cpu})
+    );
+    Ok(())
 }
 
 /// Step 5, tradebucket: the first set, then (same group, same collection) a
@@ -674,35 +780,17 @@ async fn run_worker(
     let cpu_before = cpu.snapshot(None);
     let started = Instant::now();
     let mut child = t.spawn_worker();
-    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
-    let checker = kafka_consumer(&s, &t.group)?;
     let store = BucketStore::connect(&s).await?;
-    let mut written_before = None;
-    loop {
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        anyhow::ensure!(child.exited().is_none(), "the worker exited early");
-        anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(1800),
-            "the worker did not finish in 30 minutes"
-        );
-        let written = http_get(&metrics_url)
-            .await
-            .and_then(|(_, body)| counter(&body, "tradebucket_events_written_total"));
-        if let Some(w) = written {
-            written_before.get_or_insert(w);
-            samples.push(Sample {
-                phase,
-                seconds: started.elapsed().as_secs_f64(),
-                written: w,
-                rss_mib: child.status_kib("VmRSS:").unwrap_or(0) as f64 / 1024.0,
-            });
-        }
-        // Commits come after durable writes, so once they reach the end
-        // every trade is stored; counting them is the check, once.
-        if committed_reached(&checker, &t.topic, &ends)? {
-            break;
-        }
-    }
+    let progress = Progress {
+        metrics_url: format!("http://127.0.0.1:{port}/metrics"),
+        checker: kafka_consumer(&s, &t.group)?,
+        ends,
+        started,
+        phase,
+    };
+    progress
+        .sample_until_committed(&t.topic, &mut child, samples)
+        .await?;
     let seconds = started.elapsed().as_secs_f64();
     let cpu_after = cpu.snapshot(Some(child.id()));
     let stored = stored_trades(&store).await?;
@@ -720,6 +808,53 @@ async fn run_worker(
         peak_rss_mib,
         cpu_per_million: cpu_before.per_million(&cpu_after, new_events),
     })
+}
+
+/// A running worker's progress, watched by [`run_worker`].
+struct Progress {
+    metrics_url: String,
+    /// Reads the group's committed offsets.
+    checker: BaseConsumer,
+    /// Each partition's end offset: done when the commits reach them.
+    ends: BTreeMap<i32, i64>,
+    started: Instant,
+    phase: &'static str,
+}
+
+impl Progress {
+    /// Samples the worker's written count and RSS every 250 ms until its
+    /// group's committed offsets reach `ends`.
+    async fn sample_until_committed(
+        &self,
+        topic: &str,
+        child: &mut WorkerProcess,
+        samples: &mut Vec<Sample>,
+    ) -> anyhow::Result<()> {
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            anyhow::ensure!(child.exited().is_none(), "the worker exited early");
+            anyhow::ensure!(
+                self.started.elapsed() < Duration::from_secs(1800),
+                "the worker did not finish in 30 minutes"
+            );
+            let written = http_get(&self.metrics_url)
+                .await
+                .and_then(|(_, body)| counter(&body, "tradebucket_events_written_total"));
+            if let Some(w) = written {
+                samples.push(Sample {
+                    phase: self.phase,
+                    seconds: self.started.elapsed().as_secs_f64(),
+                    written: w,
+                    rss_mib: child.status_kib("VmRSS:").unwrap_or(0) as f64 / 1024.0,
+                });
+            }
+            // Commits come after durable writes, so once they reach the end
+            // every trade is stored; counting them is the check, once.
+            if committed_reached(&self.checker, topic, &self.ends)? {
+                return Ok(());
+            }
+        }
+    }
 }
 
 /// Delay from message timestamp to committed write, from the worker's own
@@ -745,18 +880,7 @@ async fn steady_delay(
     let metrics_url = format!("http://127.0.0.1:{port}/metrics");
     // Start the load once partitions are assigned, so start-up is not
     // counted as delay.
-    let assigned = poll_until(
-        Duration::from_secs(60),
-        Duration::from_millis(200),
-        || async {
-            http_get(&metrics_url).await.is_some_and(|(_, body)| {
-                gauge(&body, "tradebucket_assigned_partitions").unwrap_or(0.0)
-                    >= f64::from(args.partitions)
-            })
-        },
-    )
-    .await;
-    anyhow::ensure!(assigned, "no assignment within 60 s");
+    wait_assigned(&metrics_url, args.partitions).await?;
     let count = rate * args.latency_seconds;
     let load = produce_options(args, 0, count, rate, &t.topic);
     let sampling = async {
@@ -785,21 +909,49 @@ async fn steady_delay(
         .ok_or_else(|| anyhow::anyhow!("no metrics from the worker"))?;
     stop(child)?;
     let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
-    let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
     sampled.sort_by(f64::total_cmp);
+    Ok(delay_figures(rate, count, &buckets, &sampled))
+}
+
+/// Waits until the worker behind `metrics_url` has all `partitions`.
+async fn wait_assigned(metrics_url: &str, partitions: i32) -> anyhow::Result<()> {
+    let assigned = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            http_get(metrics_url).await.is_some_and(|(_, body)| {
+                gauge(&body, "tradebucket_assigned_partitions").unwrap_or(0.0)
+                    >= f64::from(partitions)
+            })
+        },
+    )
+    .await;
+    anyhow::ensure!(assigned, "no assignment within 60 s");
+    Ok(())
+}
+
+/// A steady phase's results: the worker's delay histogram (`buckets`) and
+/// its quantiles, and the `sampled` delays (sorted) with theirs.
+fn delay_figures(
+    rate: u64,
+    count: u64,
+    buckets: &[(f64, f64)],
+    sampled: &[f64],
+) -> serde_json::Value {
+    let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
     let rank = |q: f64| sampled.get(((sampled.len() as f64 * q).ceil() as usize).saturating_sub(1));
-    Ok(json!({
+    json!({
         "rate_events_per_second": rate,
         "sampled": {"trades": sampled.len(), "p50_seconds": rank(0.50),
                     "p90_seconds": rank(0.90), "p99_seconds": rank(0.99),
                     "max_seconds": sampled.last()},
         "events": count,
         "observed": total,
-        "p50_seconds": quantile(&buckets, 0.50),
-        "p90_seconds": quantile(&buckets, 0.90),
-        "p99_seconds": quantile(&buckets, 0.99),
+        "p50_seconds": quantile(buckets, 0.50),
+        "p90_seconds": quantile(buckets, 0.90),
+        "p99_seconds": quantile(buckets, 0.99),
         "buckets": buckets.iter().map(|(le, c)| json!([le, c])).collect::<Vec<_>>(),
-    }))
+    })
 }
 
 fn end_offsets(s: &Settings, topic: &str) -> anyhow::Result<BTreeMap<i32, i64>> {
@@ -950,6 +1102,15 @@ impl Cpu {
             }
             p
         };
+        Cpu {
+            broker: pid("kafka.pid"),
+            database: pid("mongodb.pid"),
+            ..Cpu::of_process()
+        }
+    }
+
+    /// Only the clock, for a process's own CPU ([`Cpu::seconds`]).
+    fn of_process() -> Cpu {
         let tick = std::process::Command::new("getconf")
             .arg("CLK_TCK")
             .output()
@@ -958,8 +1119,8 @@ impl Cpu {
             .unwrap_or(100.0);
         Cpu {
             tick,
-            broker: pid("kafka.pid"),
-            database: pid("mongodb.pid"),
+            broker: None,
+            database: None,
         }
     }
 

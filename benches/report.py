@@ -55,6 +55,11 @@ rows += [
 tb_cpu = first.get("cpu_per_million") or {}
 db_ratio = ratio(tb_cpu.get("database"), db_cpu)
 broker_ratio = ratio(tb_cpu.get("broker"), kafka_cpu)
+# The worker's floor: a plain consumer of the same backlog in its own
+# process (its own CPU, "consumer"); absent from runs before issue #29.
+plain = r.get("plain_consumer")
+plain_cpu = cpu(plain, "consumer") if plain else None
+worker_plain_ratio = ratio(tb_cpu.get("worker"), plain_cpu)
 def target(name, measured, ok):
     return (name, measured, None if ok is None else bool(ok))
 targets = [
@@ -70,6 +75,11 @@ targets = [
            "–" if bound is None else f"{rate(tb)}/s = {tb / bound:.2f} ×",
            None if bound is None else tb >= 0.8 * bound),
     target(f"throughput ≥ 20 × the manual's per-event upsert = {rate(20 * naive)}/s", f"{tb / naive:.1f} ×", tb >= 20 * naive),
+    target("worker CPU per event ≤ 2.5 × a plain consumer's (issue #29)",
+           "–" if worker_plain_ratio is None else f"{us(tb_cpu.get('worker'))} vs {us(plain_cpu)} µs = {worker_plain_ratio:.2f} ×",
+           None if worker_plain_ratio is None else worker_plain_ratio <= 2.5),
+    target("worker CPU ≤ 5 µs per event (issue #29)", f"{us(tb_cpu.get('worker'))} µs",
+           None if tb_cpu.get("worker") is None else tb_cpu["worker"] <= 5),
 ]
 if steady:
     sp = steady.get("sampled") or {}
@@ -183,6 +193,7 @@ lines += [
 cpu_rows = [("tradebucket, first set", first), ("tradebucket, second set", second),
             ("database ceiling (inserts only)", r["database_ceiling"]),
             ("Kafka ceiling: a plain consumer", r["kafka_read_ceiling"]),
+            ("a plain consumer in its own process (worker column: its own CPU)", plain),
             ("naive baseline", r["naive_baseline"])]
 lines += [
     "",
@@ -191,7 +202,8 @@ lines += [
     "CPU-seconds per million events (= µs per event), user + system, read from",
     "`/proc/PID/stat` of each process before and after each phase: the worker (a",
     "fresh process per set, so its whole life), the Kafka-protocol broker and the",
-    "MongoDB-protocol server (whatever else they did meanwhile counts too).",
+    "MongoDB-protocol server (whatever else they did meanwhile counts too), and",
+    "the plain consumer's own process, which reads its own just before it exits.",
     "",
     "| phase | worker | broker | database server | total |",
     "|---|---:|---:|---:|---:|",
@@ -200,7 +212,8 @@ for name, entry in cpu_rows:
     if not entry:
         continue
     c = entry.get("cpu_per_million") or {}
-    parts = [c.get("worker"), c.get("broker"), c.get("database")]
+    own = c.get("worker") if c.get("worker") is not None else c.get("consumer")
+    parts = [own, c.get("broker"), c.get("database")]
     total = sum(x for x in parts if x is not None)
     lines.append(f"| {name} | {' | '.join(us(x) for x in parts)} | {total:.2f} |")
 lines += [
@@ -209,6 +222,9 @@ lines += [
     + ("–" if db_ratio is None else f"{db_ratio:.2f} ×"),
     "- broker per event, tradebucket ÷ a plain consumer of the same backlog: "
     + ("–" if broker_ratio is None else f"{broker_ratio:.2f} ×"),
+    "- plain consumer µs/event (the consumer process's own CPU, librdkafka's defaults, reading"
+    " the same backlog and only looking at each payload): " + us(plain_cpu)
+    + ("" if worker_plain_ratio is None else f"; the worker's ratio to it: {worker_plain_ratio:.2f} ×"),
     "- co-located bound: " + ("–" if bound is None else
       f"{cores} cores ÷ ({us(kafka_cpu)} µs broker + {us(db_cpu)} µs database) = {rate(bound)} events/s;"
       f" tradebucket reached {tb / bound:.2f} × of it"),
@@ -244,7 +260,7 @@ if steady and (steady.get("sampled") or {}).get("trades"):
     ]
 lines += [
     "",
-    "## Targets (issue #18)",
+    "## Targets (issues #18 and #29)",
     "",
     "| target | measured | |",
     "|---|---|---|",

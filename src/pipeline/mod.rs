@@ -26,6 +26,9 @@ mod worker;
 
 use adapters::{watch_mongodb, watch_partitions, KafkaDeadLetters, KafkaIntake};
 pub use seams::Record;
+// For benches/hotpath.rs, which measures decoding a batch without servers.
+#[doc(hidden)]
+pub use stage::{decode_batch, Decoded};
 use worker::Worker;
 
 use crate::bucket::store::{BucketStore, InitError, StoreError};

@@ -23,8 +23,8 @@ use crate::retry::Backoff;
 use crate::throttle::Throttle;
 
 /// A batch's events after decoding.
-pub(super) struct Decoded {
-    events: Vec<(Trade, Source)>,
+pub struct Decoded {
+    pub events: Vec<(Trade, Source)>,
     /// For each event, the index of its record in the batch.
     record_of: Vec<usize>,
     /// Records to dead-letter, by batch index, with why.
@@ -235,7 +235,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
 }
 
 /// Decodes every record; the undecodable ones are to be dead-lettered.
-pub(super) fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
+pub fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
     let mut d = Decoded {
         events: Vec::with_capacity(batch.len()),
         record_of: Vec::with_capacity(batch.len()),
