@@ -278,18 +278,14 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             }
         }
         drop(writing);
-        let end = self.stop();
-        // Dropping the consumer closes it, and that blocks: librdkafka
-        // leaves the group and runs the revoke callback, whose commit is
-        // synchronous. On a blocking thread, so the runtime's other tasks
-        // (the HTTP endpoints; in tests, another worker of the same group,
-        // which the close may be waiting for) run meanwhile.
-        let _ = tokio::task::spawn_blocking(move || drop(self)).await;
-        end
+        self.stop().await
     }
 
-    /// The final commit and leaving the group.
-    fn stop(&mut self) -> Result<(), PipelineError> {
+    /// The final commit, leaving the group and closing the consumer.
+    async fn stop(mut self) -> Result<(), PipelineError>
+    where
+        Self: Send + 'static,
+    {
         self.health.draining();
         self.commit(Commit::Sync);
         self.intake.leave();
@@ -297,6 +293,12 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         if end.is_ok() {
             tracing::info!("stopped: offsets committed, left the consumer group");
         }
+        // Dropping the consumer closes it, and that blocks: librdkafka
+        // leaves the group and runs the revoke callback, whose commit is
+        // synchronous. On a blocking thread, so the runtime's other tasks
+        // (the HTTP endpoints; in tests, another worker of the same group,
+        // which the close may be waiting for) run meanwhile.
+        let _ = tokio::task::spawn_blocking(move || drop(self)).await;
         end
     }
 
