@@ -30,9 +30,9 @@
 //! trade. Times on this shared machine are noisy; `scripts/hotpath-callgrind`
 //! counts instructions per stage (`--stage`), which repeat to the unit.
 //!
-//! `cargo bench --bench hotpath [-- --batches 10]`; with mimalloc instead
-//! of glibc's allocator: `--features bench-mimalloc` (docs/benchmarks.md,
-//! "Allocator trial").
+//! `cargo bench --bench hotpath [-- --batches 10]`, on mimalloc as the
+//! product; with glibc's allocator instead: `--features
+//! bench-system-alloc` (docs/benchmarks.md, "Allocator trial").
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::collections::{BTreeMap, HashMap};
@@ -66,19 +66,21 @@ use tradebucket::pipeline::{decode_batch, Decoded, Record};
 // it, so a stage's count is the difference of two readings around it (the
 // program is single-threaded while measuring).
 
-#[cfg(not(feature = "bench-mimalloc"))]
+// The product's allocator (src/main.rs), unless the comparison asks for
+// glibc's.
+#[cfg(feature = "bench-system-alloc")]
 type Inner = std::alloc::System;
-#[cfg(not(feature = "bench-mimalloc"))]
+#[cfg(feature = "bench-system-alloc")]
 const INNER: Inner = std::alloc::System;
-#[cfg(feature = "bench-mimalloc")]
+#[cfg(not(feature = "bench-system-alloc"))]
 type Inner = mimalloc::MiMalloc;
-#[cfg(feature = "bench-mimalloc")]
+#[cfg(not(feature = "bench-system-alloc"))]
 const INNER: Inner = mimalloc::MiMalloc;
 
-const ALLOCATOR: &str = if cfg!(feature = "bench-mimalloc") {
-    "mimalloc"
-} else {
+const ALLOCATOR: &str = if cfg!(feature = "bench-system-alloc") {
     "system (glibc)"
+} else {
+    "mimalloc"
 };
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
