@@ -243,9 +243,9 @@ impl fmt::Display for Place {
         match self {
             Place::Key => f.write_str("key"),
             Place::Header(h) => write!(f, "header:{h}"),
-            Place::Pointer(tokens) => tokens.iter().try_for_each(|t| {
-                write!(f, "/{}", t.replace('~', "~0").replace('/', "~1"))
-            }),
+            Place::Pointer(tokens) => tokens
+                .iter()
+                .try_for_each(|t| write!(f, "/{}", t.replace('~', "~0").replace('/', "~1"))),
         }
     }
 }
@@ -542,8 +542,8 @@ impl MappingSettings {
     }
 
     fn check_round_trip(&self, rule: &DateRule) -> Result<(), MappingError> {
-        let probe = NaiveDate::from_ymd_opt(2023, 10, 26)
-            .and_then(|d| d.and_hms_milli_opt(15, 47, 3, 434));
+        let probe =
+            NaiveDate::from_ymd_opt(2023, 10, 26).and_then(|d| d.and_hms_milli_opt(15, 47, 3, 434));
         let Some(probe) = probe else {
             return Ok(());
         };
@@ -587,7 +587,9 @@ impl MappingSettings {
                         ));
                     }
                     if RESERVED_NAMES.contains(&name.as_str()) {
-                        return Err(self.err(&field, "is a trade field's or a derived field's name"));
+                        return Err(
+                            self.err(&field, "is a trade field's or a derived field's name")
+                        );
                     }
                     let tokens = parse_pointer(from)
                         .map_err(|why| self.err(&field, format!("{from:?}: {why}")))?;
@@ -642,7 +644,10 @@ fn unescape(token: &str) -> Option<String> {
 }
 
 /// Every mapping checked against the topics the worker reads.
-pub fn validate(topics: &[String], mappings: &[MappingSettings]) -> Result<Vec<Plan>, MappingError> {
+pub fn validate(
+    topics: &[String],
+    mappings: &[MappingSettings],
+) -> Result<Vec<Plan>, MappingError> {
     let mut plans: Vec<Plan> = Vec::with_capacity(mappings.len());
     for m in mappings {
         if !topics.contains(&m.topic) {

@@ -30,13 +30,15 @@ pub(super) fn parse_date_by(raw: &str, rule: &DateRule) -> Result<(i64, Option<i
             (dt.and_utc().timestamp_millis(), None)
         }
         DateRule::PatternWithOffset(p) => {
-            let dt = DateTime::parse_from_str(&text(raw)?, p)
-                .map_err(|e| field_err("date", &format!("does not match the pattern {p:?} ({e})")))?;
+            let dt = DateTime::parse_from_str(&text(raw)?, p).map_err(|e| {
+                field_err("date", &format!("does not match the pattern {p:?} ({e})"))
+            })?;
             with_offset(&dt)?
         }
         DateRule::PatternAt(p, at) => {
-            let local = NaiveDateTime::parse_from_str(&text(raw)?, p)
-                .map_err(|e| field_err("date", &format!("does not match the pattern {p:?} ({e})")))?;
+            let local = NaiveDateTime::parse_from_str(&text(raw)?, p).map_err(|e| {
+                field_err("date", &format!("does not match the pattern {p:?} ({e})"))
+            })?;
             // A fixed offset maps every local time to exactly one instant.
             let dt = at
                 .from_local_datetime(&local)

@@ -341,7 +341,10 @@ impl Mapping {
             let mut found = record.headers.iter().filter(|(n, _)| n == name);
             match (found.next(), found.next()) {
                 (Some(_), Some(_)) => {
-                    return Err(self.annotate(field_err(f.as_str(), "the header appears more than once"), *f))
+                    return Err(self.annotate(
+                        field_err(f.as_str(), "the header appears more than once"),
+                        *f,
+                    ))
                 }
                 (Some((_, Some(bytes))), None) => {
                     let text = self.as_json_text(*f, bytes)?;
@@ -386,8 +389,14 @@ impl Mapping {
         t.side = Some(self.side(required(F::Type)).map_err(at(F::Type))?);
         t.ticker = Some(parse_ticker(required(F::Ticker)).map_err(at(F::Ticker))?);
         t.qty = Some(parse_qty(required(F::Qty)).map_err(at(F::Qty))?);
-        t.price = raw(F::Price).map(parse_price).transpose().map_err(at(F::Price))?;
-        t.currency = raw(F::Currency).map(parse_currency).transpose().map_err(at(F::Currency))?;
+        t.price = raw(F::Price)
+            .map(parse_price)
+            .transpose()
+            .map_err(at(F::Price))?;
+        t.currency = raw(F::Currency)
+            .map(parse_currency)
+            .transpose()
+            .map_err(at(F::Currency))?;
         t.date = Some(parse_date_by(required(F::Date), &self.date).map_err(at(F::Date))?);
         for (name, value) in &read.extras {
             t.read_extra(name, value.get())?;

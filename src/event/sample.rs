@@ -20,7 +20,10 @@ pub fn sample(
     let decoded = decode_mapped(mapping, record, Identity::Read(source), max_bytes);
     match decoded.and_then(|t| {
         let entry = t.entry().map_err(|e| {
-            Reject::new(RejectKind::Rejected, format!("the entry does not read back: {e}"))
+            Reject::new(
+                RejectKind::Rejected,
+                format!("the entry does not read back: {e}"),
+            )
         })?;
         Ok((t.customer, entry))
     }) {
