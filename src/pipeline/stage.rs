@@ -8,8 +8,9 @@
 //! One stage, one batch at a time, is what keeps each customer's order:
 //! batch k+1's trades are written only after batch k's are settled.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Instant;
 
 use rdkafka::error::KafkaError;
@@ -18,7 +19,7 @@ use super::seams::{BucketSink, DeadLetterSink, Record};
 use super::{error_chain, HOT_LOG_EVERY};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
-use crate::event::{Reject, Source, Trade};
+use crate::event::{Identity, Mapping, Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::{self, DeadLetter};
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
@@ -85,6 +86,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         metrics: Metrics,
         health: Arc<Health>,
     ) -> Self {
+        install_mappings(&settings);
         Stage {
             buckets,
             dead_letters,
@@ -241,6 +243,9 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
 
 /// Decodes every record; the undecodable ones are to be dead-lettered.
 pub(super) fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
+    // Without mappings the map is empty and each lookup costs nothing:
+    // the default path decodes exactly as before.
+    let mappings = MAPPINGS.read().unwrap_or_else(PoisonError::into_inner);
     let mut d = Decoded {
         events: Vec::with_capacity(batch.len()),
         record_of: Vec::with_capacity(batch.len()),
@@ -252,7 +257,10 @@ pub(super) fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
             partition: r.tp.1,
             offset: r.offset,
         };
-        let decoded = kafka::decode_record(r.payload.as_deref(), &r.headers, &source, max_bytes);
+        let decoded = match mappings.get(&source.topic) {
+            None => kafka::decode_record(r.payload.as_deref(), &r.headers, &source, max_bytes),
+            Some(mapping) => decode_mapped(mapping, r, &source, max_bytes),
+        };
         match decoded {
             Ok(trade) => {
                 d.events.push((trade, source));
@@ -262,6 +270,51 @@ pub(super) fn decode_batch(batch: &[Record], max_bytes: usize) -> Decoded {
         }
     }
     d
+}
+
+/// The compiled input mappings of the workers in this process, by topic.
+/// The loop calls [`decode_batch`] with the batch and the payload limit
+/// only, so the mappings reach it here: each [`Stage`] installs its
+/// settings' mappings when it is built, before the loop decodes anything.
+/// A process runs one worker; tests run several, each on its own topics.
+static MAPPINGS: RwLock<BTreeMap<String, Arc<Mapping>>> = RwLock::new(BTreeMap::new());
+
+/// Installs `settings`' mappings for its topics (a topic without one is
+/// read by the default schema again).
+fn install_mappings(settings: &Settings) {
+    let compiled = Mappings::from_settings(settings).unwrap_or_else(|e| {
+        // Settings are validated when loaded, which compiles the same
+        // plans: only settings built by hand and never validated get here.
+        tracing::error!(error = %e, "invalid input mapping: its topic is read by the default schema");
+        Mappings::default()
+    });
+    let mut registry = MAPPINGS.write().unwrap_or_else(PoisonError::into_inner);
+    for topic in &settings.kafka.topics {
+        registry.remove(topic);
+    }
+    for (topic, mapping) in compiled.iter() {
+        registry.insert(topic.to_string(), mapping.clone());
+    }
+}
+
+/// A record of a mapped topic, decoded as [`kafka::decode_record`] decodes
+/// one of the default schema: a replayed dead letter keeps its identity.
+fn decode_mapped(
+    mapping: &Mapping,
+    r: &Record,
+    source: &Source,
+    max_bytes: usize,
+) -> Result<Trade, Reject> {
+    let origin = kafka::replay_origin(&r.headers)?;
+    let identity = origin
+        .as_ref()
+        .map_or(Identity::Read(source), Identity::ReplayOf);
+    let parts = RecordParts {
+        payload: r.payload.as_deref(),
+        key: r.key.as_deref(),
+        headers: &r.headers,
+    };
+    mapping.decode(parts, identity, max_bytes)
 }
 
 fn dead_letter_of(r: &Record, reject: &Reject) -> DeadLetter {
