@@ -707,3 +707,64 @@ proptest! {
         let _ = m.decode(RecordParts { payload: Some(&text[..cut]), ..RecordParts::default() }, Identity::Read(&src()), MAX);
     }
 }
+
+/// Nanoseconds per decode of `payload`, the best of five rounds.
+fn ns_per_decode(rounds: u32, mut decode_one: impl FnMut() -> Result<Trade, Reject>) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let start = std::time::Instant::now();
+        for _ in 0..rounds {
+            std::hint::black_box(decode_one().expect("decodes"));
+        }
+        best = best.min(start.elapsed().as_nanos() as f64 / f64::from(rounds));
+    }
+    best
+}
+
+/// The cost of a mapped decode against the default decode of the same
+/// trade, per event. Run in release:
+/// `cargo test --release --lib mapped_decode_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, run in release"]
+fn mapped_decode_cost() {
+    let rounds = 200_000;
+    let fix_default = r#"{"tradeId":"E-9001","customerId":"123","type":"buy","ticker":"MDB","qty":"419","price":"61.25","currency":"USD","date":"2023-10-26T15:47:03.434Z"}"#;
+    let nested_default = r#"{"customerId":123,"type":"buy","ticker":"MDB","qty":419,"price":61.25,"date":1698335223434}"#;
+    let renamed = mapping(
+        "fields.customerId = { from = \"/customerId\" }\nfields.type = { from = \"/type\", values = { buy = [\"buy\"], sell = [\"sell\"] }, unknown = \"reject\" }",
+    );
+    let cases = [
+        (
+            "FIX execution report (flat, 8 strings)",
+            fix_default,
+            &mapping(FIX),
+            FIX_EXEC,
+        ),
+        (
+            "nested broker fill (3 objects)",
+            nested_default,
+            &mapping(NESTED),
+            NESTED_FILL,
+        ),
+        (
+            "the default schema through a mapping",
+            fix_default,
+            &renamed,
+            fix_default,
+        ),
+    ];
+    for (name, default_json, m, mapped_json) in cases {
+        assert_eq!(
+            mapped(m, parts(mapped_json, None, &[])).unwrap().doc,
+            default(default_json).doc
+        );
+        let d = ns_per_decode(rounds, || {
+            decode(Some(default_json.as_bytes()), &src(), MAX)
+        });
+        let mp = ns_per_decode(rounds, || mapped(m, parts(mapped_json, None, &[])));
+        println!(
+            "{name}: default {d:.0} ns/event, mapped {mp:.0} ns/event, ratio {:.2}",
+            mp / d
+        );
+    }
+}
