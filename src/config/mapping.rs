@@ -277,6 +277,9 @@ pub enum DateRule {
     PatternAt(String, FixedOffset),
 }
 
+/// Kept fields: each stored name and the pointer tokens it is read from.
+pub type KeptFields = Vec<(String, Vec<String>)>;
+
 /// A mapping, parsed and checked: what `event::mapping` compiles.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -287,7 +290,7 @@ pub struct Plan {
     pub side: SideRule,
     pub date: DateRule,
     /// `None`: keep every other top-level field; else these, by name.
-    pub keep: Option<Vec<(String, Vec<String>)>>,
+    pub keep: Option<KeptFields>,
 }
 
 impl MappingSettings {
@@ -572,7 +575,7 @@ impl MappingSettings {
         }
     }
 
-    fn keep_plan(&self) -> Result<Option<Vec<(String, Vec<String>)>>, MappingError> {
+    fn keep_plan(&self) -> Result<Option<KeptFields>, MappingError> {
         match &self.keep {
             Keep::Mode(KeepMode::All) => Ok(None),
             Keep::Mode(KeepMode::None) => Ok(Some(Vec::new())),

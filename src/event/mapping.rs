@@ -99,13 +99,16 @@ pub struct Mapping {
     key_fields: Vec<TradeField>,
     header_fields: Vec<(Vec<u8>, TradeField)>,
     /// Spellings and the side each means (`None`: the default rule).
-    side: Option<(Vec<(Box<str>, &'static str)>, UnknownSide)>,
+    side: Option<(SideTable, UnknownSide)>,
     date: DateRule,
     /// The stored names of kept fields, by [`Target::Keep`] index.
     keep_names: Vec<Box<str>>,
     /// Keep every top-level field no trade field is read from.
     keep_all: bool,
 }
+
+/// A value map's spellings and the side each means.
+type SideTable = Vec<(Box<str>, &'static str)>;
 
 #[derive(Debug, Default)]
 struct Node {

@@ -76,8 +76,11 @@ fn fill(id: &str, account: u64, side: &str, qty: u64, px: &str, ts: i64) -> Prod
     }
 }
 
-/// Each (upstream payload, the same trade in the default schema).
-fn trades() -> (Vec<(Produced, Value)>, Vec<(Produced, Value)>) {
+/// Each upstream record with the same trade in the default schema.
+type Feed = Vec<(Produced, Value)>;
+
+/// The FIX-style feed and the broker's.
+fn trades() -> (Feed, Feed) {
     let fix = vec![
         (
             execution("E-9001", "1", "419", "61.25", "20231026-15:47:03.434"),
@@ -139,6 +142,18 @@ async fn stored(env: &TestEnv) -> BTreeMap<String, (String, Document)> {
         }
     }
     out
+}
+
+/// `tradebucket reconcile --json` with `vars`: (exit code, the report).
+fn reconcile(vars: &BTreeMap<String, String>) -> (Option<i32>, Value) {
+    let out = Command::new(bin())
+        .args(["reconcile", "--json", "--rate", "0"])
+        .envs(vars)
+        .output()
+        .expect("run tradebucket reconcile");
+    let report = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code(), report)
 }
 
 fn write_config(env: &TestEnv, text: &str) -> PathBuf {
@@ -212,14 +227,8 @@ async fn two_upstreams_map_into_one_collection_as_the_default_schema_stores_them
 
     // Reconcile decodes by the same mappings: the fill ids from headers
     // are found, the dead letter matched.
-    let out = Command::new(bin())
-        .args(["reconcile", "--json", "--rate", "0"])
-        .envs(&vars)
-        .output()
-        .expect("run tradebucket reconcile");
-    let report: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
-    assert_eq!(out.status.code(), Some(0), "{report}");
+    let (code, report) = reconcile(&vars);
+    assert_eq!(code, Some(0), "{report}");
     assert_eq!(report["total"]["stored"], 5, "{report}");
     assert_eq!(report["total"]["dead_lettered"], 1, "{report}");
 

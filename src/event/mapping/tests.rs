@@ -529,136 +529,128 @@ struct Reshaped {
     toml: String,
 }
 
-/// `original` reshaped by choices drawn from `seed`.
-fn reshape(o: &Original, seed: u64) -> Reshaped {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut r = Reshaped {
-        payload: String::new(),
-        key: None,
-        headers: Vec::new(),
-        toml: String::new(),
-    };
-    let mut tree = Tree::default();
-    let mut key_free = true;
-    // Place one field's value (JSON text, and its text for key/header).
-    let mut place = |rng: &mut rand::rngs::StdRng,
-                     field: &str,
-                     json: String,
-                     text: Option<String>,
-                     extra: &str| {
-        let choice = rng.random_range(0..6);
-        let from = match (choice, text) {
-            (0, Some(t)) if key_free => {
-                key_free = false;
-                r.key = Some(t);
+/// Builds a reshaped record field by field, each in a place `rng` picks.
+struct Shaper {
+    rng: rand::rngs::StdRng,
+    r: Reshaped,
+    tree: Tree,
+}
+
+impl Shaper {
+    /// Places one field's value (`json`; `text` is what a key or header
+    /// holds, `None` when only JSON can say it) and maps it (`rule`).
+    fn place(&mut self, field: &str, json: String, text: Option<String>, rule: &str) {
+        use rand::Rng;
+        let from = match (self.rng.random_range(0..6), text) {
+            (0, Some(t)) if self.r.key.is_none() => {
+                self.r.key = Some(t);
                 "key".to_string()
             }
             (1, Some(t)) => {
                 let name = format!("h-{field}");
-                r.headers.push(header(&name, &t));
+                self.r.headers.push(header(&name, &t));
                 format!("header:{name}")
             }
             _ => {
-                let depth = rng.random_range(1..4);
-                let path: Vec<String> = (0..depth)
-                    .map(|i| {
-                        format!(
-                            "{field}{}",
-                            if i == 0 {
-                                "F".into()
-                            } else {
-                                rng.random_range(0..3).to_string()
-                            }
-                        )
-                    })
-                    .collect();
-                tree.put(&path, json);
+                let depth = self.rng.random_range(0..3);
+                let mut path = vec![format!("{field}F")];
+                path.extend((0..depth).map(|_| format!("{field}{}", self.rng.random_range(0..3))));
+                self.tree.put(&path, json);
                 path.iter().map(|s| format!("/{s}")).collect()
             }
         };
-        r.toml += &format!("fields.{field} = {{ from = {from:?}{extra} }}\n");
+        self.r.toml += &format!("fields.{field} = {{ from = {from:?}{rule} }}\n");
+    }
+
+    /// A decimal as a JSON number or a JSON string, at random.
+    fn number(&mut self, text: &str) -> String {
+        use rand::Rng;
+        if self.rng.random() {
+            text.to_string()
+        } else {
+            format!("{text:?}")
+        }
+    }
+
+    /// The extras, under their names (`keep = "all"`) or renamed and kept
+    /// by a table.
+    fn keep(&mut self, extras: &[(String, u32)]) {
+        use rand::Rng;
+        let renamed = self.rng.random::<bool>();
+        let mut keep = Vec::new();
+        for (n, v) in extras {
+            let stored = if renamed { format!("k{n}") } else { n.clone() };
+            self.tree.0.push((stored.clone(), Ok(v.to_string())));
+            keep.push(format!("{n} = \"/{stored}\""));
+        }
+        self.r.toml += &if renamed {
+            format!("keep = {{ {} }}\n", keep.join(", "))
+        } else {
+            "keep = \"all\"\n".into()
+        };
+    }
+}
+
+const SIDES: &str =
+    r#", values = { buy = ["B", "1", "BUY"], sell = ["S", "2", "SELL"] }, unknown = "reject""#;
+
+/// `original` reshaped by choices drawn from `seed`.
+fn reshape(o: &Original, seed: u64) -> Reshaped {
+    use rand::{Rng, SeedableRng};
+    let mut s = Shaper {
+        rng: rand::rngs::StdRng::seed_from_u64(seed),
+        r: Reshaped {
+            payload: String::new(),
+            key: None,
+            headers: Vec::new(),
+            toml: String::new(),
+        },
+        tree: Tree::default(),
     };
-    let text_of = |json: &str| serde_json::from_str::<String>(json).ok();
-    place(
-        &mut rng,
+    let text = |id: &Result<u32, String>| id.as_ref().map_or_else(Clone::clone, u32::to_string);
+    s.place(
         "customerId",
         id_json(&o.customer),
-        Some(match &o.customer {
-            Ok(n) => n.to_string(),
-            Err(s) => s.clone(),
-        }),
+        Some(text(&o.customer)),
         "",
     );
     if let Some(id) = &o.trade_id {
         // An integer id is an integer only in JSON; a key or header is text.
-        place(
-            &mut rng,
-            "tradeId",
-            id_json(id),
-            id.as_ref().err().cloned(),
-            "",
-        );
+        s.place("tradeId", id_json(id), id.as_ref().err().cloned(), "");
     }
-    let (buy, sell) = (["B", "1", "BUY"], ["S", "2", "SELL"]);
-    let spelling = if o.buy {
-        buy[rng.random_range(0..3)]
+    let spellings = if o.buy {
+        ["B", "1", "BUY"]
     } else {
-        sell[rng.random_range(0..3)]
+        ["S", "2", "SELL"]
     };
-    place(
-        &mut rng,
+    let spelling = spellings[s.rng.random_range(0..3)];
+    s.place(
         "type",
         format!("{spelling:?}"),
         Some(spelling.into()),
-        r#", values = { buy = ["B", "1", "BUY"], sell = ["S", "2", "SELL"] }, unknown = "reject""#,
+        SIDES,
     );
-    place(
-        &mut rng,
+    s.place(
         "ticker",
         format!("{:?}", o.ticker),
         Some(o.ticker.clone()),
         "",
     );
-    let qty = if rng.random() {
-        o.qty.clone()
-    } else {
-        format!("{:?}", o.qty)
-    };
-    place(&mut rng, "qty", qty, Some(o.qty.clone()), "");
+    let qty = s.number(&o.qty);
+    s.place("qty", qty, Some(o.qty.clone()), "");
     if let Some(p) = &o.price {
-        let price = if rng.random() {
-            p.clone()
-        } else {
-            format!("{p:?}")
-        };
-        place(&mut rng, "price", price, Some(p.clone()), "");
+        let price = s.number(p);
+        s.place("price", price, Some(p.clone()), "");
     }
     if let Some(c) = &o.currency {
-        place(&mut rng, "currency", format!("{c:?}"), Some(c.clone()), "");
+        s.place("currency", format!("{c:?}"), Some(c.clone()), "");
     }
-    let (date_json, rule) = date_as(o.date, &mut rng);
-    place(
-        &mut rng,
-        "date",
-        date_json.clone(),
-        text_of(&date_json).or(Some(date_json.clone())),
-        &rule,
-    );
-    let renamed = rng.random::<bool>();
-    let mut keep = Vec::new();
-    for (n, v) in &o.extras {
-        let stored = if renamed { format!("k{n}") } else { n.clone() };
-        tree.0.push((stored.clone(), Ok(v.to_string())));
-        keep.push(format!("{n} = \"/{stored}\""));
-    }
-    r.toml += &if renamed {
-        format!("keep = {{ {} }}\n", keep.join(", "))
-    } else {
-        "keep = \"all\"\n".into()
-    };
-    r.payload = tree.json();
-    r
+    let (date_json, rule) = date_as(o.date, &mut s.rng);
+    let date_text = serde_json::from_str::<String>(&date_json).unwrap_or(date_json.clone());
+    s.place("date", date_json, Some(date_text), &rule);
+    s.keep(&o.extras);
+    s.r.payload = s.tree.json();
+    s.r
 }
 
 /// The date in a format chosen by `rng`, and the rule that reads it.
