@@ -116,7 +116,7 @@ pub enum DateFormat {
 }
 
 /// Which payload fields, besides the trade's, are stored with it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum Keep {
     /// `"all"` or `"none"`.
@@ -125,13 +125,37 @@ pub enum Keep {
     Fields(BTreeMap<String, String>),
 }
 
+impl<'de> Deserialize<'de> for Keep {
+    /// Untagged, with a message that says what is allowed (serde's own
+    /// says only "did not match any variant").
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Fields(BTreeMap<String, String>),
+        }
+        let bad = || {
+            serde::de::Error::custom(
+                "keep must be \"all\", \"none\" or a table of stored name = \"/pointer\"",
+            )
+        };
+        match Raw::deserialize(d).map_err(|_| bad())? {
+            Raw::Text(t) if t == "all" => Ok(Keep::Mode(KeepMode::All)),
+            Raw::Text(t) if t == "none" => Ok(Keep::Mode(KeepMode::None)),
+            Raw::Text(_) => Err(bad()),
+            Raw::Fields(f) => Ok(Keep::Fields(f)),
+        }
+    }
+}
+
 impl Default for Keep {
     fn default() -> Self {
         Keep::Mode(KeepMode::All)
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KeepMode {
     /// Every top-level field not read as a trade field, under its name
