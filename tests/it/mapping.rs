@@ -323,3 +323,58 @@ async fn map_sample_shows_each_trade_or_dead_letter_before_deployment() {
     let _ = std::fs::remove_file(samples);
     env.cleanup().await;
 }
+
+/// A dead letter of a mapped topic, replayed with a corrected payload
+/// (twice), is read by the mapping again: its customer from the record key
+/// and its trade id from a header, both carried by the replay, so it is
+/// stored once, under that customer and that id.
+#[tokio::test]
+async fn a_mapped_dead_letter_replays_under_its_key_and_header_identity() {
+    let env = TestEnv::new("mapreplay", 1).await;
+    let mapping = config(&env.topic, "unused")
+        .split("\n[[mappings]]")
+        .nth(1)
+        .map(|fix| format!("[[mappings]]{fix}"))
+        .unwrap()
+        .replace(r#"{ from = "/ExecID" }"#, r#"{ from = "header:exec-id" }"#);
+    let file = write_config(&env, &mapping);
+    let mut vars = env.vars(&[]);
+    vars.insert("TRADEBUCKET_CONFIG".into(), file.display().to_string());
+    let mut bad = execution("ignored", "5", "7", "10.5", "20231026-15:47:03");
+    bad.headers = vec![("exec-id".into(), "X-1".into())];
+    env.produce(&[bad.clone()]).await;
+    let worker = WorkerProcess::start(bin(), &vars, Log::Quiet);
+    assert_eq!(env.dead_letters(1, T).await.len(), 1);
+
+    let corrected = std::env::temp_dir().join(format!("{}.json", env.group));
+    let payload = String::from_utf8(bad.payload.unwrap()).unwrap();
+    std::fs::write(
+        &corrected,
+        payload.replace(r#""Side":"5""#, r#""Side":"2""#),
+    )
+    .unwrap();
+    for round in 0..2 {
+        let out = Command::new(bin())
+            .args(["dlq", "replay", "--all", "--rate", "0", "--payload"])
+            .arg(&corrected)
+            .envs(&vars)
+            .output()
+            .expect("run tradebucket dlq replay");
+        assert_eq!(out.status.code(), Some(0), "round {round}: {out:?}");
+        env.wait_committed_to_end(T).await;
+    }
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    let stored = stored(&env).await;
+    assert_eq!(stored.len(), 1, "stored once: {stored:?}");
+    let (customer, entry) = &stored["t:X-1"];
+    assert_eq!(customer, "123", "the customer from the replayed key");
+    assert_eq!(entry.get_str("type").unwrap(), "sell");
+    assert_eq!(
+        env.dead_letters_to_end().len(),
+        1,
+        "nothing more dead-lettered"
+    );
+    let _ = std::fs::remove_file(file);
+    let _ = std::fs::remove_file(corrected);
+    env.cleanup().await;
+}
