@@ -419,28 +419,39 @@ impl MappingSettings {
         }
         for (i, (a, pa)) in placed.iter().enumerate() {
             for (b, pb) in &placed[i + 1..] {
-                if a == b {
-                    continue;
-                }
-                if pa == pb {
-                    return Err(self.err(
-                        b,
-                        format!("reads from {pb}, as {a} does: two fields from one place"),
-                    ));
-                }
-                if let (Place::Pointer(x), Place::Pointer(y)) = (pa, pb) {
-                    if x.starts_with(y) || y.starts_with(x) {
-                        return Err(self.err(
-                            b,
-                            format!(
-                                "{pb} and {a}'s {pa} overlap: one field's value would have to hold the other's"
-                            ),
-                        ));
-                    }
+                let overlap = match (pa, pb) {
+                    (Place::Pointer(x), Place::Pointer(y)) => x.starts_with(y) || y.starts_with(x),
+                    _ => pa == pb,
+                };
+                if a != b && overlap {
+                    return Err(self.clash((*a, pa), (*b, pb)));
                 }
             }
         }
         Ok(())
+    }
+
+    /// Two fields read from one place, or one inside the other: named at
+    /// the field the mapping placed (a field it does not name is where the
+    /// default schema reads it, which the operator may not have in mind).
+    fn clash(&self, a: (TradeField, &Place), b: (TradeField, &Place)) -> MappingError {
+        let named = |f: TradeField| self.settings()[f.index()].is_some();
+        let ((f, pf), (g, pg)) = if named(b.0) || !named(a.0) {
+            (b, a)
+        } else {
+            (a, b)
+        };
+        let default = if named(g) {
+            String::new()
+        } else {
+            format!(" ({g} is not named here, so it is read where the default schema reads it)")
+        };
+        let what = if pf == pg {
+            "two fields from one place"
+        } else {
+            "one field's value would have to hold the other's"
+        };
+        self.err(f, format!("{pf} overlaps {g}'s {pg}{default}: {what}"))
     }
 
     fn side_rule(&self, s: Option<&FieldSettings>) -> Result<SideRule, MappingError> {
