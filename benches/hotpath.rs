@@ -57,7 +57,7 @@ use tradebucket::bucket::store::{
 use tradebucket::bucket::writer::{BucketWriter, Outcome};
 use tradebucket::cli::{synthetic_event, ProduceOptions};
 use tradebucket::config::Settings;
-use tradebucket::event::{CustomerId, Source, Trade};
+use tradebucket::event::{CustomerId, Mappings, Source, Trade};
 use tradebucket::metrics::Metrics;
 use tradebucket::pipeline::{decode_batch, Decoded, Record};
 
@@ -421,7 +421,7 @@ fn stage_intake(topic: &str, wire: &[Wire]) -> Vec<Record> {
 
 #[inline(never)]
 fn stage_decode(records: &[Record], max_bytes: usize) -> Decoded {
-    decode_batch(records, max_bytes)
+    decode_batch(records, &Mappings::default(), max_bytes)
 }
 
 type Heads = HashMap<CustomerId, Option<BucketHead>>;

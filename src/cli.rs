@@ -1,4 +1,5 @@
-//! Operator commands other than `run`: `init`, `page`, `audit`, `produce`.
+//! Operator commands other than `run`: `init`, `page`, `audit`, `produce`,
+//! `map`.
 //! Each takes settings and returns a typed result; `main` prints and picks
 //! the exit code.
 
@@ -39,6 +40,10 @@ pub enum CliError {
     /// another key: the message says what to do.
     #[error("{0}")]
     Layout(String),
+    #[error(transparent)]
+    Mapping(#[from] crate::config::MappingError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
 }
 
 impl From<InitError> for CliError {
@@ -582,4 +587,84 @@ fn delivered(
         // The producer dropped the delivery report: it is shutting down.
         Err(_) => Err(KafkaError::Canceled.into()),
     }
+}
+
+/// `tradebucket map`'s flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MapOptions {
+    /// Sample payloads, one JSON object per line (blank lines are skipped).
+    #[arg(long)]
+    pub sample: std::path::PathBuf,
+    /// The topic whose mapping reads them; may be left out when
+    /// kafka.topics has one topic.
+    #[arg(long)]
+    pub topic: Option<String>,
+    /// The record key every sample is read with (for a mapping that reads
+    /// the key).
+    #[arg(long)]
+    pub key: Option<String>,
+    /// A header every sample is read with, NAME=VALUE (repeatable).
+    #[arg(long = "header", value_parser = parse_header)]
+    pub headers: Vec<(String, String)>,
+}
+
+fn parse_header(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{text:?} is not NAME=VALUE"))
+}
+
+/// `tradebucket map --sample`: for each sample, one JSON line with the
+/// trade as it would be stored or the dead letter it would be, read by the
+/// topic's mapping exactly as the worker reads it (at partition 0, the
+/// line's index as offset). Returns how many would be dead-lettered.
+pub fn map_samples(
+    settings: &Settings,
+    opts: &MapOptions,
+    out: &mut impl std::io::Write,
+) -> Result<u64, CliError> {
+    use std::io::BufRead;
+    let topic = match (&opts.topic, settings.kafka.topics.as_slice()) {
+        (Some(t), topics) if topics.contains(t) => t.clone(),
+        (Some(t), _) => {
+            return Err(CliError::Usage(format!(
+                "topic {t:?} is not in kafka.topics"
+            )))
+        }
+        (None, [only]) => only.clone(),
+        (None, _) => {
+            return Err(CliError::Usage(
+                "kafka.topics has several topics: name one with --topic".into(),
+            ))
+        }
+    };
+    let mappings = crate::event::Mappings::from_settings(settings)?;
+    let mapping = mappings.get(&topic).map(|m| m.as_ref());
+    let headers: Vec<(Vec<u8>, Option<Vec<u8>>)> = (opts.headers.iter())
+        .map(|(n, v)| (n.clone().into_bytes(), Some(v.clone().into_bytes())))
+        .collect();
+    let mut dead = 0;
+    let file = std::io::BufReader::new(std::fs::File::open(&opts.sample)?);
+    for (i, line) in file.lines().enumerate() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parts = crate::event::RecordParts {
+            payload: Some(line.as_bytes()),
+            key: opts.key.as_deref().map(str::as_bytes),
+            headers: &headers,
+        };
+        let source = crate::event::Source {
+            topic: topic.clone(),
+            partition: 0,
+            offset: i as i64,
+        };
+        let mut shown =
+            crate::event::sample(mapping, parts, &source, settings.kafka.max_message_bytes);
+        dead += u64::from(shown.get("deadLetter").is_some());
+        shown["line"] = (i + 1).into();
+        writeln!(out, "{shown}")?;
+    }
+    Ok(dead)
 }

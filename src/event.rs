@@ -1,7 +1,10 @@
 //! The trade event: decoding and validating one Kafka payload (JSON) into a
 //! [`Trade`] ready to be stored. Pure: no I/O, every rejection typed. This
 //! file holds the types and the entry points; `decode` reads the object,
-//! `values` parses each of the trade's fields.
+//! `values` parses each of the trade's fields. A topic with a mapping
+//! (`[[mappings]]`) is read by `mapping` (its pointers walked by `pointer`,
+//! its date formats read by `dates`) into the same fields and the same
+//! checks; `sample` shows what a payload would become.
 //!
 //! Money and quantities never pass through a binary float: the JSON text of
 //! a number is kept as written (`RawValue`) and parsed exactly into
@@ -305,10 +308,16 @@ pub fn decode_as(
     fields.into_trade(identity)
 }
 
+mod dates;
 mod decode;
+pub mod mapping;
+mod pointer;
+mod sample;
 mod values;
 
 use decode::{parse_object, payload_text, TradeFields};
+pub use mapping::{decode_mapped, Mapping, Mappings, RecordParts};
+pub use sample::sample;
 
 #[cfg(test)]
 mod tests;

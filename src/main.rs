@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
-use tradebucket::cli::{self, ProduceOptions};
+use tradebucket::cli::{self, MapOptions, ProduceOptions};
 use tradebucket::config::{LogFormat, Settings};
 use tradebucket::dlq::command::DlqCommand;
 use tradebucket::event::CustomerId;
@@ -69,6 +69,9 @@ enum Command {
     Produce(ProduceOptions),
     /// Print the effective configuration (secrets redacted); exits 64 if invalid.
     CheckConfig,
+    /// Show what sample payloads would become under a topic's mapping: the
+    /// trade as stored, or the dead letter; exits 1 if any is dead-lettered.
+    Map(MapOptions),
     /// Read and replay the dead-letter topic.
     #[command(subcommand)]
     Dlq(DlqCommand),
@@ -183,6 +186,13 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
             }
         }
         Command::Reconcile(opts) => return reconcile(&settings, &opts).await,
+        Command::Map(opts) => {
+            let dead = cli::map_samples(&settings, &opts, &mut std::io::stdout().lock())?;
+            if dead > 0 {
+                eprintln!("{dead} samples would be dead-lettered");
+                return Ok(ExitCode::FAILURE);
+            }
+        }
         Command::CheckConfig => unreachable!("handled before logging starts"),
     }
     Ok(ExitCode::SUCCESS)

@@ -11,8 +11,10 @@ use std::time::Duration;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Deserializer, Serialize};
 
+pub mod mapping;
 mod secret;
 
+pub use mapping::{MappingError, MappingSettings};
 pub use secret::{redact_uri, Scrubber, REDACTED, SECRET_KAFKA_OPTIONS};
 
 /// The defaults, exactly as documented for operators.
@@ -27,6 +29,9 @@ pub enum ConfigError {
         field: &'static str,
         message: String,
     },
+    /// A `[[mappings]]` entry: names the topic, the field and the rule.
+    #[error("invalid setting mappings: {0}")]
+    Mapping(#[from] MappingError),
 }
 
 /// librdkafka properties tradebucket sets from a setting of its own, which
@@ -74,6 +79,10 @@ pub struct Settings {
     pub http: HttpSettings,
     /// Log format and level.
     pub log: LogSettings,
+    /// Per source topic, how its upstream's JSON is read (`[[mappings]]`);
+    /// a topic without one is read by the default schema.
+    #[serde(default)]
+    pub mappings: Vec<MappingSettings>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -384,7 +393,15 @@ impl Settings {
         self.validate_kafka()?;
         self.validate_mongodb()?;
         self.validate_buckets_and_batch()?;
-        self.validate_retry_and_timeouts()
+        self.validate_retry_and_timeouts()?;
+        self.mapping_plans()?;
+        Ok(())
+    }
+
+    /// Every `[[mappings]]` entry checked and parsed, for `event::mapping`
+    /// to compile.
+    pub fn mapping_plans(&self) -> Result<Vec<mapping::Plan>, MappingError> {
+        mapping::validate(&self.kafka.topics, &self.mappings)
     }
 
     fn validate_kafka(&self) -> Result<(), ConfigError> {

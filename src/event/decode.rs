@@ -34,16 +34,16 @@ pub(super) fn payload_text(payload: Option<&[u8]>, max_bytes: usize) -> Result<&
 /// The fields of one trade as they are read, each checked on its own.
 #[derive(Default)]
 pub(super) struct TradeFields {
-    trade_id: Option<(Bson, String)>,
-    customer: Option<CustomerId>,
-    side: Option<String>,
-    ticker: Option<String>,
-    qty: Option<Bson>,
-    price: Option<Decimal128>,
-    currency: Option<String>,
-    date: Option<(i64, Option<i32>)>,
+    pub(super) trade_id: Option<(Bson, String)>,
+    pub(super) customer: Option<CustomerId>,
+    pub(super) side: Option<String>,
+    pub(super) ticker: Option<String>,
+    pub(super) qty: Option<Bson>,
+    pub(super) price: Option<Decimal128>,
+    pub(super) currency: Option<String>,
+    pub(super) date: Option<(i64, Option<i32>)>,
     /// Fields of no meaning to us, kept as they are.
-    extras: Document,
+    pub(super) extras: Document,
 }
 
 impl TradeFields {

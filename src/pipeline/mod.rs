@@ -33,7 +33,8 @@ use worker::Worker;
 
 use crate::bucket::store::{BucketStore, InitError, StoreError};
 use crate::bucket::writer::BucketWriter;
-use crate::config::{OffsetReset, Settings};
+use crate::config::{MappingError, OffsetReset, Settings};
+use crate::event::Mappings;
 use crate::health::Health;
 use crate::kafka;
 use crate::metrics::Metrics;
@@ -45,6 +46,8 @@ pub enum PipelineError {
     Kafka(#[from] kafka::SetupError),
     #[error("MongoDB setup failed: {0}")]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Mapping(#[from] MappingError),
     /// librdkafka says the consumer cannot go on (for example a static
     /// member fenced by another with its `group.instance.id`).
     #[error("fatal Kafka consumer error: {0}")]
@@ -69,6 +72,8 @@ impl Pipeline {
                  starts at the end of each partition, and never reads the events before it"
             );
         }
+        // Checked when the settings were loaded; compiled once, here.
+        let mappings = Mappings::from_settings(&settings)?;
         let store = BucketStore::connect(&settings).await?;
         if !create_indexes(&store, &settings, shutdown).await? {
             return Ok(None);
@@ -100,7 +105,15 @@ impl Pipeline {
         let intake = KafkaIntake::new(group, metrics.clone());
         health.subscribed();
         health.tick();
-        let worker = Worker::new(settings, intake, writer, dead_letters, metrics, health);
+        let worker = Worker::new(
+            settings,
+            mappings,
+            intake,
+            writer,
+            dead_letters,
+            metrics,
+            health,
+        );
         Ok(Some(Pipeline(worker)))
     }
 

@@ -272,6 +272,7 @@ impl Harness {
         }
         let worker = Worker::new(
             settings,
+            crate::event::Mappings::default(),
             intake,
             buckets,
             dead_letters,

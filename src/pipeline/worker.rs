@@ -31,6 +31,7 @@ use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Re
 use super::stage::{decode_batch, Closed, Done, Stage};
 use super::PipelineError;
 use crate::config::Settings;
+use crate::event::Mappings;
 use crate::health::{now_ms, Health};
 use crate::kafka::GroupEvent;
 use crate::metrics::{ConsumerErrorKind, Metrics, SkipReason};
@@ -154,6 +155,8 @@ enum Wake<B, D> {
 /// [`DeadLetterSink`].
 pub(crate) struct Worker<I, B, D> {
     settings: Settings,
+    /// The topics' input mappings, compiled once (`event::mapping`).
+    mappings: Mappings,
     intake: I,
     phase: Phase,
     /// The write stage while idle; `None` while it writes: its future (a
@@ -187,6 +190,7 @@ pub(crate) struct Worker<I, B, D> {
 impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     pub fn new(
         settings: Settings,
+        mappings: Mappings,
         intake: I,
         buckets: B,
         dead_letters: D,
@@ -201,6 +205,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             health.clone(),
         );
         Worker {
+            mappings,
             intake,
             stage: Some(stage),
             open: Open::default(),
@@ -386,7 +391,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         self.metrics
             .in_flight_events
             .set(self.tracker.in_flight() as i64);
-        let decoded = decode_batch(&open.records, self.settings.kafka.max_message_bytes);
+        let max_bytes = self.settings.kafka.max_message_bytes;
+        let decoded = decode_batch(&open.records, &self.mappings, max_bytes);
         self.queued.push_back(Closed {
             records: open.records,
             decoded,

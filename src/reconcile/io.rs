@@ -20,10 +20,10 @@ use serde::Serialize;
 use super::known::{KnownKeys, Slots, KNOWN_KEYS};
 use super::{keys_of, span, Counts, Ledger, Problem, ProblemKind, Span, Start, TradeSeen, Verdict};
 use crate::bucket::store::{BucketStore, StoreError};
-use crate::config::Settings;
+use crate::config::{MappingError, Settings};
 use crate::dlq::io::{self as dlq_io, DlqError};
 use crate::dlq::Replay;
-use crate::event::{CustomerId, Source};
+use crate::event::{CustomerId, Identity, Mappings, RecordParts, Source};
 use crate::kafka::headers::{self, Header};
 use crate::kafka::{self, ScrubbedLogs, SetupError, H_REPLAY_OF, OUR_HEADER_PREFIX};
 use crate::ratelimit::RateLimit;
@@ -76,6 +76,8 @@ pub enum ReconcileError {
     Dlq(#[from] DlqError),
     #[error("topic {0} does not exist")]
     NoTopic(String),
+    #[error(transparent)]
+    Mapping(#[from] MappingError),
     #[error("{topic} partition {partition}: no record arrived for {limit:?} at offset {at} (reading up to {to})")]
     Stalled {
         topic: String,
@@ -151,6 +153,7 @@ pub async fn run_with(
     }
     let mut check = Check {
         settings,
+        mappings: Mappings::from_settings(settings)?,
         store,
         known: trusted.then(|| KnownKeys::new(KNOWN_KEYS)),
         slots: Slots {
@@ -333,6 +336,9 @@ struct Read {
 /// The state of one reconcile run.
 struct Check<'a> {
     settings: &'a Settings,
+    /// The topics' input mappings: a record is decoded as the worker
+    /// decodes it, or a trade id read from a header would not be found.
+    mappings: Mappings,
     store: BucketStore,
     /// Buckets already read, by key; `None` while keys are not unique.
     known: Option<KnownKeys>,
@@ -380,9 +386,21 @@ impl Check<'_> {
         };
         let headers = headers::read(m.headers());
         let max = self.settings.kafka.max_message_bytes;
-        let trade = kafka::decode_record(m.payload(), &headers, &at, max)
-            .ok()
-            .map(|t| (t.customer, t.key));
+        let trade = match self.mappings.get(&at.topic) {
+            None => kafka::decode_record(m.payload(), &headers, &at, max),
+            Some(mapping) => kafka::replay_origin(&headers).and_then(|origin| {
+                let identity = origin
+                    .as_ref()
+                    .map_or(Identity::Read(&at), Identity::ReplayOf);
+                let parts = RecordParts {
+                    payload: m.payload(),
+                    key: m.key(),
+                    headers: &headers,
+                };
+                mapping.decode(parts, identity, max)
+            }),
+        };
+        let trade = trade.ok().map(|t| (t.customer, t.key));
         Read {
             at,
             key: m.key().map(<[u8]>::to_vec),
