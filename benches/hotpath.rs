@@ -30,9 +30,9 @@
 //! trade. Times on this shared machine are noisy; `scripts/hotpath-callgrind`
 //! counts instructions per stage (`--stage`), which repeat to the unit.
 //!
-//! `cargo bench --bench hotpath [-- --batches 10]`, on mimalloc as the
-//! product; with glibc's allocator instead: `--features
-//! bench-system-alloc` (docs/benchmarks.md, "Allocator trial").
+//! `cargo bench --bench hotpath [-- --batches 10]`; with mimalloc instead
+//! of glibc's allocator: `--features bench-mimalloc` (docs/benchmarks.md,
+//! "Allocator trial").
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::collections::{BTreeMap, HashMap};
@@ -66,21 +66,19 @@ use tradebucket::pipeline::{decode_batch, Decoded, Record};
 // it, so a stage's count is the difference of two readings around it (the
 // program is single-threaded while measuring).
 
-// The product's allocator (src/main.rs), unless the comparison asks for
-// glibc's.
-#[cfg(feature = "bench-system-alloc")]
+#[cfg(not(feature = "bench-mimalloc"))]
 type Inner = std::alloc::System;
-#[cfg(feature = "bench-system-alloc")]
+#[cfg(not(feature = "bench-mimalloc"))]
 const INNER: Inner = std::alloc::System;
-#[cfg(not(feature = "bench-system-alloc"))]
+#[cfg(feature = "bench-mimalloc")]
 type Inner = mimalloc::MiMalloc;
-#[cfg(not(feature = "bench-system-alloc"))]
+#[cfg(feature = "bench-mimalloc")]
 const INNER: Inner = mimalloc::MiMalloc;
 
-const ALLOCATOR: &str = if cfg!(feature = "bench-system-alloc") {
-    "system (glibc)"
-} else {
+const ALLOCATOR: &str = if cfg!(feature = "bench-mimalloc") {
     "mimalloc"
+} else {
+    "system (glibc)"
 };
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);

@@ -16,13 +16,6 @@ use tradebucket::event::CustomerId;
 use tradebucket::pipeline;
 use tradebucket::reconcile::io::{self as reconcile, Report};
 
-/// mimalloc, not glibc's malloc: the hot path allocates and frees small
-/// blocks per event, many freed on another thread than allocated them, and
-/// the hot-path bench's worker path took a third less time on it
-/// (docs/benchmarks.md, "Allocator trial").
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// sysexits EX_USAGE: what operators' tooling expects for bad configuration.
 const EXIT_CONFIG: u8 = 64;
 
