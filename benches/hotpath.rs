@@ -156,6 +156,9 @@ struct Args {
     /// Times the cold write is measured (a fresh writer each time).
     #[arg(long, default_value_t = 5)]
     cold_repeats: usize,
+    /// Rounds of the mapped-against-default decode comparison (issue #28).
+    #[arg(long, default_value_t = 10)]
+    mapped_rounds: usize,
     /// Run the stages up to this one only, and no cold write: for
     /// `valgrind --tool=callgrind --toggle-collect='*hotpath::stage_<name>*'`
     /// (scripts/hotpath-callgrind).
@@ -675,6 +678,105 @@ fn cold_write(
 }
 
 // ---------------------------------------------------------------------
+// A mapped decode (issue #28) against the default one: the same trades,
+// once in the product's own schema and once as the FIX-style execution
+// reports of docs/operations.md, read through their mapping.
+
+const FIX_TOPIC: &str = "fix-execs";
+
+const FIX_MAPPING: &str = r#"
+[kafka]
+topics = ["fix-execs"]
+
+[[mappings]]
+topic = "fix-execs"
+keep = "none"
+fields.customerId = { from = "/Account" }
+fields.tradeId = { from = "/ExecID" }
+fields.type = { from = "/Side", values = { buy = ["1"], sell = ["2"] }, unknown = "reject" }
+fields.ticker = { from = "/Symbol" }
+fields.qty = { from = "/LastQty" }
+fields.price = { from = "/LastPx" }
+fields.currency = { from = "/Currency" }
+fields.date = { from = "/TransactTime", format = "fix" }
+"#;
+
+/// One of `produce`'s payloads as a FIX-style execution report: every
+/// value a string, the side a code, the time a FIX `UTCTimestamp`.
+fn as_fix_report(payload: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let t: serde_json::Value = serde_json::from_slice(payload)?;
+    let text = |f: &str| match &t[f] {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let millis = t["date"].as_i64().unwrap_or_default();
+    let time = chrono::DateTime::from_timestamp_millis(millis)
+        .ok_or_else(|| anyhow::anyhow!("date out of range: {millis}"))?;
+    let side = if text("type") == "buy" { "1" } else { "2" };
+    let report = json!({
+        "Account": text("customerId"), "Symbol": text("ticker"), "Side": side,
+        "LastQty": text("qty"), "LastPx": text("price"), "Currency": text("currency"),
+        "TransactTime": time.format("%Y%m%d-%H:%M:%S%.3f").to_string(),
+        "ExecID": text("tradeId"),
+    });
+    Ok(serde_json::to_vec(&report)?)
+}
+
+/// `rounds` decodes of `records` by `mappings`.
+fn decode_rounds(
+    records: &[Record],
+    mappings: &Mappings,
+    max_bytes: usize,
+    rounds: usize,
+) -> (Meter, Decoded) {
+    let mut meter = Meter::default();
+    let mut last = None;
+    for _ in 0..rounds.max(1) {
+        last = Some(meter.run(records.len(), || decode_batch(records, mappings, max_bytes)));
+    }
+    (meter, last.expect("at least one round"))
+}
+
+/// The default and the mapped decode of the same batch, interleaved
+/// round by round so both see the same machine; checks that both store
+/// the same entries.
+fn mapped_decode(wire: &[Wire], rounds: usize) -> anyhow::Result<(Meter, Meter)> {
+    let dir = PathBuf::from("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let file = dir.join("hotpath-mapping.toml");
+    std::fs::write(&file, FIX_MAPPING)?;
+    let settings = Settings::load_from(Some(&file), Some(BTreeMap::new()))?;
+    let mappings = Mappings::from_settings(&settings)?;
+    let fix: Vec<Wire> = wire
+        .iter()
+        .map(|w| {
+            Ok(Wire {
+                payload: as_fix_report(&w.payload)?,
+                key: w.key.clone(),
+                ..*w
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let (plain, mapped) = (stage_intake("trades", wire), stage_intake(FIX_TOPIC, &fix));
+    let (none, max) = (Mappings::default(), settings.kafka.max_message_bytes);
+    let (mut d, mut m) = (Meter::default(), Meter::default());
+    for _ in 0..rounds.max(1) {
+        let (dr, default_out) = decode_rounds(&plain, &none, max, 1);
+        let (mr, mapped_out) = decode_rounds(&mapped, &mappings, max, 1);
+        let same = default_out.events.len() == wire.len()
+            && mapped_out
+                .events
+                .iter()
+                .zip(&default_out.events)
+                .all(|(a, b)| a.0.doc == b.0.doc);
+        anyhow::ensure!(same, "the mapped trades are not stored as the default ones");
+        d.add(dr);
+        m.add(mr);
+    }
+    Ok((d, m))
+}
+
+// ---------------------------------------------------------------------
 // The run and its report.
 
 fn main() -> anyhow::Result<()> {
@@ -716,6 +818,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let payload_bytes = first.iter().map(|w| w.payload.len()).sum::<usize>() / first.len();
+    let mapped = mapped_decode(&first, args.mapped_rounds)?;
     let report = Report {
         args: &args,
         batch,
@@ -725,6 +828,7 @@ fn main() -> anyhow::Result<()> {
         payload_bytes,
         entry_bytes,
         load: [load_before, load_average()],
+        mapped: Some(&mapped),
     };
     report.print();
     report.write_json()
@@ -772,6 +876,8 @@ struct Report<'a> {
     /// A trade's history entry as stored (BSON), on average.
     entry_bytes: usize,
     load: [f64; 2],
+    /// The default and the mapped decode of the same trades.
+    mapped: Option<&'a (Meter, Meter)>,
 }
 
 impl Report<'_> {
@@ -812,6 +918,25 @@ impl Report<'_> {
             - self.meters.get(&Stage::Encode).map_or(0.0, Meter::median);
         println!("{:<14} {total:>10.0}   (intake + decode + write + free; write plans and encodes itself)", "worker path");
         self.print_sent();
+        self.print_mapped();
+    }
+
+    /// Issue #28's bound: a mapped decode at most 1.2 × the default one.
+    fn print_mapped(&self) {
+        let Some((d, m)) = self.mapped else {
+            return;
+        };
+        println!(
+            "\ndecode of the same trades ({} rounds, median ns/event, allocs/event): \
+             default schema {:.0} ns, {:.2}; FIX-style through its mapping {:.0} ns, {:.2}; \
+             ratio {:.2}",
+            d.ns_per_event.len(),
+            d.median(),
+            d.per_event(d.counts.allocs),
+            m.median(),
+            m.per_event(m.counts.allocs),
+            m.median() / d.median()
+        );
     }
 
     fn print_sent(&self) {
@@ -869,6 +994,11 @@ impl Report<'_> {
             "events_steady": self.events(),
             "payload_bytes_per_event": self.payload_bytes,
             "history_entry_bytes": self.entry_bytes,
+            "decode_mapped": self.mapped.map(|(d, m)| json!({
+                "default": d.json(),
+                "mapped_fix_style": m.json(),
+                "ratio_median": m.median() / d.median(),
+            })),
         });
         if let Some(dir) = self.args.json.parent() {
             std::fs::create_dir_all(dir)?;
