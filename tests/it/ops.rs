@@ -366,24 +366,27 @@ async fn prometheus_sees_every_written_event_and_the_lag_drain() {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let prometheus = Prometheus::start(&listen).await;
-    // A backlog first, and small batches so the worker needs some seconds
-    // for it, with statistics every 200 ms: Prometheus (scraping every
-    // second) sees the lag high and then drain to 0.
+    // The worker is scraped first, and then a backlog arrives that it
+    // writes at a limited rate, so it needs five seconds for it whatever
+    // the machine's speed (a backlog produced before the start was once
+    // written before Prometheus' first scrape). With statistics every
+    // 200 ms, Prometheus (scraping every second) sees the lag high and
+    // then drain to 0.
     let total = 20_000u64;
-    produce_generated(&env, total).await;
     let vars = env.vars(&[
         ("TRADEBUCKET__HTTP__LISTEN", &listen),
         ("TRADEBUCKET__KAFKA__OPTIONS__STATISTICS_INTERVAL_MS", "200"),
         ("TRADEBUCKET__BATCH__MAX_EVENTS", "50"),
+        ("TRADEBUCKET__RATE_LIMIT__EVENTS_PER_SECOND", "4000"),
     ]);
     let worker = WorkerProcess::start(bin(), &vars, Log::Quiet);
-
     eventually(
         "Prometheus scrapes the worker",
         Duration::from_secs(30),
         || async { prometheus.query("up{job=\"tradebucket\"}").await == Some(1.0) },
     )
     .await;
+    produce_generated(&env, total).await;
     eventually(
         "Prometheus: written == produced",
         Duration::from_secs(90),
