@@ -96,9 +96,7 @@ impl BucketHead {
     /// Whether `source`'s offset is at or below this bucket's watermark for
     /// its partition: stored by an earlier delivery, if offsets only grew.
     pub fn covers(&self, source: &Source) -> bool {
-        self.wm
-            .get(&source.partition_key())
-            .is_some_and(|&wm| source.offset <= wm)
+        watermark(&self.wm, source).is_some_and(|&wm| source.offset <= wm)
     }
 }
 
@@ -373,16 +371,23 @@ fn open_bucket(
     (bucket, after)
 }
 
-fn advance(wm: &mut BTreeMap<String, i64>, source: &Source) {
-    advance_to(wm, &source.partition_key(), source.offset);
+/// `source`'s partition's watermark. A bucket holds one per partition its
+/// trades came from (a handful), so a scan that builds no key beats a
+/// lookup that must build one.
+fn watermark<'w>(wm: &'w BTreeMap<String, i64>, source: &Source) -> Option<&'w i64> {
+    wm.iter()
+        .find(|(key, _)| source.is_partition_key(key))
+        .map(|(_, offset)| offset)
 }
 
-fn advance_to(wm: &mut BTreeMap<String, i64>, key: &str, offset: i64) {
-    // The key is copied only the first time: this runs for every event.
-    match wm.get_mut(key) {
-        Some(entry) => *entry = (*entry).max(offset),
+/// Raises `source`'s partition's watermark to its offset; the key is built
+/// only for a partition new to the bucket.
+fn advance(wm: &mut BTreeMap<String, i64>, source: &Source) {
+    let found = wm.iter_mut().find(|(key, _)| source.is_partition_key(key));
+    match found {
+        Some((_, entry)) => *entry = (*entry).max(source.offset),
         None => {
-            wm.insert(key.to_string(), offset);
+            wm.insert(source.partition_key(), source.offset);
         }
     }
 }

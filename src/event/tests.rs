@@ -384,6 +384,32 @@ proptest! {
         prop_assert_eq!(key, format!("{}:{}", source.topic.replace('.', "~"), partition));
     }
 
+    /// `is_partition_key` says yes to a source's own key and to nothing
+    /// else: another partition, another topic, or another spelling of the
+    /// same number ("+3", "03").
+    #[test]
+    fn a_partition_key_is_recognised_without_building_it(
+        topic in "[a-z.]{1,8}",
+        other in "[a-z.~]{1,8}",
+        partition in -3i32..300,
+        delta in 1i32..5,
+    ) {
+        let source = Source { topic: topic.clone(), partition, offset: 0 };
+        prop_assert!(source.is_partition_key(&source.partition_key()));
+        let moved = Source { partition: partition + delta, ..source.clone() };
+        prop_assert!(!source.is_partition_key(&moved.partition_key()));
+        let elsewhere = Source { topic: other, ..source.clone() };
+        prop_assert_eq!(
+            source.is_partition_key(&elsewhere.partition_key()),
+            elsewhere.partition_key() == source.partition_key()
+        );
+        let key = source.partition_key();
+        let (name, number) = key.rsplit_once(':').expect("a colon");
+        for spelling in [format!("{name}:+{number}"), format!("{name}:0{number}")] {
+            prop_assert!(!source.is_partition_key(&spelling), "{}", spelling);
+        }
+    }
+
     /// Any decimal with at most 34 significant digits survives exactly.
     #[test]
     fn prices_round_trip_exactly(int in "[1-9][0-9]{0,20}", frac in "[0-9]{1,13}") {
