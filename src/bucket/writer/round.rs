@@ -176,6 +176,12 @@ impl Round {
         self.plans.is_empty()
     }
 
+    /// The plans, once the round's writes are done (see
+    /// `BucketWriter::settle`); the round keeps what went wrong.
+    pub(super) fn take_plans(&mut self) -> Vec<Planned> {
+        std::mem::take(&mut self.plans)
+    }
+
     /// Every plan, in order.
     pub(super) fn plans(&self) -> impl Iterator<Item = (PlanId, &Planned)> {
         self.plans
