@@ -16,7 +16,7 @@ use super::{
     H_ERROR_KIND, H_ERROR_MESSAGE, H_PAYLOAD_LENGTH, H_PAYLOAD_SHA256, H_SHORTENED,
     H_SOURCE_OFFSET, H_SOURCE_PARTITION, H_SOURCE_TOPIC,
 };
-use crate::event::{self, Identity, Reject, RejectKind, Source, Trade};
+use crate::event::{self, Identity, Mapping, RecordParts, Reject, RejectKind, Source, Trade};
 
 /// The original position of a replayed dead letter, `<topic>/<partition>/<offset>`:
 /// `tradebucket dlq replay` sets it, the worker takes a trade without
@@ -53,20 +53,21 @@ pub fn replay_origin(headers: &[Header]) -> Result<Option<Source>, Reject> {
         .ok_or_else(|| bad("is not <topic>/<partition>/<offset>"))
 }
 
-/// Decodes a record read at `source` by the worker's rules: a replayed dead
+/// Decodes a record read at `source` by the worker's rules: by its topic's
+/// `mapping` if it has one, else by the default schema; a replayed dead
 /// letter (header [`H_REPLAY_OF`]) keeps its original identity, `source`
 /// stays where it was read. What the worker and `reconcile` both decode by.
 pub fn decode_record(
-    payload: Option<&[u8]>,
-    headers: &[Header],
+    record: RecordParts<'_>,
+    mapping: Option<&Mapping>,
     source: &Source,
     max_bytes: usize,
 ) -> Result<Trade, Reject> {
-    let origin = replay_origin(headers)?;
+    let origin = replay_origin(record.headers)?;
     let identity = origin
         .as_ref()
         .map_or(Identity::Read(source), Identity::ReplayOf);
-    event::decode_as(payload, identity, max_bytes)
+    event::decode_mapped(mapping, record, identity, max_bytes)
 }
 
 /// `<topic>/<partition>/<offset>`: a legal topic name (which has no `/`),

@@ -15,7 +15,7 @@ use super::error_chain;
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
-use crate::event::{Identity, Mapping, Mappings, RecordParts, Reject, Source, Trade};
+use crate::event::{Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::{self, DeadLetter};
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
@@ -245,10 +245,13 @@ pub fn decode_batch(batch: &[Record], mappings: &Mappings, max_bytes: usize) -> 
     };
     for (i, r) in batch.iter().enumerate() {
         let source = r.source();
-        let decoded = match mappings.get(&source.topic) {
-            None => kafka::decode_record(r.payload.as_deref(), &r.headers, &source, max_bytes),
-            Some(mapping) => decode_mapped(mapping, r, &source, max_bytes),
+        let parts = RecordParts {
+            payload: r.payload.as_deref(),
+            key: r.key.as_deref(),
+            headers: &r.headers,
         };
+        let mapping = mappings.get(&source.topic).map(AsRef::as_ref);
+        let decoded = kafka::decode_record(parts, mapping, &source, max_bytes);
         match decoded {
             Ok(trade) => {
                 d.events.push((trade, source));
@@ -258,26 +261,6 @@ pub fn decode_batch(batch: &[Record], mappings: &Mappings, max_bytes: usize) -> 
         }
     }
     d
-}
-
-/// A record of a mapped topic, decoded as [`kafka::decode_record`] decodes
-/// one of the default schema: a replayed dead letter keeps its identity.
-fn decode_mapped(
-    mapping: &Mapping,
-    r: &Record,
-    source: &Source,
-    max_bytes: usize,
-) -> Result<Trade, Reject> {
-    let origin = kafka::replay_origin(&r.headers)?;
-    let identity = origin
-        .as_ref()
-        .map_or(Identity::Read(source), Identity::ReplayOf);
-    let parts = RecordParts {
-        payload: r.payload.as_deref(),
-        key: r.key.as_deref(),
-        headers: &r.headers,
-    };
-    mapping.decode(parts, identity, max_bytes)
 }
 
 fn dead_letter_of(r: &Record, reject: &Reject) -> DeadLetter {

@@ -23,7 +23,7 @@ use crate::bucket::store::{BucketStore, StoreError};
 use crate::config::{MappingError, Settings};
 use crate::dlq::io::{self as dlq_io, DlqError};
 use crate::dlq::Replay;
-use crate::event::{CustomerId, Identity, Mappings, RecordParts, Source};
+use crate::event::{CustomerId, Mappings, RecordParts, Source};
 use crate::kafka::headers::{self, Header};
 use crate::kafka::{self, ScrubbedLogs, SetupError, H_REPLAY_OF, OUR_HEADER_PREFIX};
 use crate::ratelimit::RateLimit;
@@ -386,20 +386,13 @@ impl Check<'_> {
         };
         let headers = headers::read(m.headers());
         let max = self.settings.kafka.max_message_bytes;
-        let trade = match self.mappings.get(&at.topic) {
-            None => kafka::decode_record(m.payload(), &headers, &at, max),
-            Some(mapping) => kafka::replay_origin(&headers).and_then(|origin| {
-                let identity = origin
-                    .as_ref()
-                    .map_or(Identity::Read(&at), Identity::ReplayOf);
-                let parts = RecordParts {
-                    payload: m.payload(),
-                    key: m.key(),
-                    headers: &headers,
-                };
-                mapping.decode(parts, identity, max)
-            }),
+        let parts = RecordParts {
+            payload: m.payload(),
+            key: m.key(),
+            headers: &headers,
         };
+        let mapping = self.mappings.get(&at.topic).map(AsRef::as_ref);
+        let trade = kafka::decode_record(parts, mapping, &at, max);
         let trade = trade.ok().map(|t| (t.customer, t.key));
         Read {
             at,
