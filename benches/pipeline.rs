@@ -69,6 +69,12 @@ struct Args {
     /// in MongoDB; 0 skips it.
     #[arg(long, default_value_t = 1000)]
     steady_rate: u64,
+    /// `kafka.fetch_wait_max` of each steady target phase, one phase per
+    /// value: the default, and a short one for the local Kafka-protocol
+    /// stand-in, which holds every fetch until this ends (docs/testing.md)
+    /// where Apache Kafka answers as soon as data arrives.
+    #[arg(long, value_delimiter = ',', default_values_t = ["100ms".to_string(), "10ms".to_string()])]
+    steady_fetch_waits: Vec<String>,
     /// Skip the second set (quicker runs while optimising).
     #[arg(long)]
     no_second_set: bool,
@@ -205,18 +211,33 @@ async fn delays(
     first_rate: f64,
 ) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut delays = Vec::new();
-    let steady = (args.steady_rate > 0).then_some((args.steady_rate, None));
+    let steady_waits = if args.steady_rate > 0 {
+        &args.steady_fetch_waits[..]
+    } else {
+        &[]
+    };
+    let steady = steady_waits
+        .iter()
+        .map(|wait| (args.steady_rate, None, Some(wait.as_str())));
     let fractions = args
         .latency_fractions
         .iter()
-        .map(|&f| (((first_rate * f) as u64).max(1), Some(f)));
-    for (n, (rate, fraction)) in steady.into_iter().chain(fractions).enumerate() {
-        let mut latency = steady_delay(target, args, rate, n, fraction.is_none()).await?;
+        .map(|&f| (((first_rate * f) as u64).max(1), Some(f), None));
+    for (n, (rate, fraction, wait)) in steady.chain(fractions).enumerate() {
+        let target = match wait {
+            Some(wait) => target
+                .clone()
+                .with_var("TRADEBUCKET__KAFKA__FETCH_WAIT_MAX", wait),
+            None => target.clone(),
+        };
+        let mut latency = steady_delay(&target, args, rate, n, fraction.is_none()).await?;
         eprintln!(
-            "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s; sampled {}",
+            "bench: delay at {rate} events/s (fetch wait {wait:?}): p50 {:.3} s, p99 {:.3} s; sampled {}",
             latency["p50_seconds"], latency["p99_seconds"], latency["sampled"]
         );
         latency["fraction_of_max"] = json!(fraction);
+        let wait = target.settings().kafka.fetch_wait_max;
+        latency["fetch_wait_max"] = json!(humantime::format_duration(wait).to_string());
         delays.push(latency);
     }
     Ok(delays)
@@ -910,7 +931,9 @@ async fn steady_delay(
     stop(child)?;
     let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
     sampled.sort_by(f64::total_cmp);
-    Ok(delay_figures(rate, count, &buckets, &sampled))
+    let mut figures = delay_figures(rate, count, &buckets, &sampled);
+    figures["stages"] = stage_breakdown(&text);
+    Ok(figures)
 }
 
 /// Waits until the worker behind `metrics_url` has all `partitions`.
@@ -1008,9 +1031,56 @@ fn gauge(text: &str, name: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
+/// The stages of the worker's delay (`tradebucket_stage_delay_seconds`)
+/// and its MongoDB requests by operation, each with its observations,
+/// mean, p50 and p99: where a steady phase's delay went.
+fn stage_breakdown(text: &str) -> serde_json::Value {
+    let stages = [
+        "in_kafka", "batching", "decode", "queued", "writing", "commit",
+    ]
+    .map(|s| ("tradebucket_stage_delay_seconds", "stage", s));
+    let requests = ["load", "find_keys", "fill", "insert"].map(|o| {
+        let name = "tradebucket_mongodb_request_duration_seconds";
+        (name, "operation", o)
+    });
+    let mut out = serde_json::Map::new();
+    for (name, label, value) in stages.into_iter().chain(requests) {
+        let labels = format!("{label}=\"{value}\"");
+        let buckets = histogram_with(text, name, &labels);
+        let count = buckets.last().map_or(0.0, |b| b.1);
+        let sum = gauge(text, &format!("{name}_sum{{{labels}}}")).unwrap_or(0.0);
+        let key = if label == "stage" {
+            value.to_string()
+        } else {
+            format!("mongodb_{value}")
+        };
+        out.insert(
+            key,
+            json!({
+                "observations": count,
+                "mean_seconds": if count > 0.0 { sum / count } else { f64::NAN },
+                "p50_seconds": quantile(&buckets, 0.50),
+                "p99_seconds": quantile(&buckets, 0.99),
+            }),
+        );
+    }
+    serde_json::Value::Object(out)
+}
+
 /// (upper bound, cumulative count) of a Prometheus histogram.
 fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
-    let prefix = format!("{name}_bucket{{le=\"");
+    histogram_with(text, name, "")
+}
+
+/// [`histogram`] of the series with these `labels` (`name="value"`, as
+/// the text format writes them before `le`).
+fn histogram_with(text: &str, name: &str, labels: &str) -> Vec<(f64, f64)> {
+    let labels = if labels.is_empty() {
+        String::new()
+    } else {
+        format!("{labels},")
+    };
+    let prefix = format!("{name}_bucket{{{labels}le=\"");
     text.lines()
         .filter_map(|l| {
             let rest = l.strip_prefix(&prefix)?;

@@ -22,8 +22,13 @@ tb = first["events_per_second"]
 delays = r["delays"]
 d = delays[0]
 args_latency = round(d["events"] / max(d["rate_events_per_second"], 1))
-# The steady point of the delay target (no fraction): issue #18's 1,000/s.
-steady = next((x for x in delays if x.get("fraction_of_max") is None), None)
+# The steady points of the delay target (no fraction): issue #18's 1,000/s,
+# once per kafka.fetch_wait_max. The target is judged on the last (the
+# shortest wait: the local broker holds every fetch until the wait ends,
+# where Apache Kafka answers when data arrives); the first, at the
+# default, shows what that costs.
+steadies = [x for x in delays if x.get("fraction_of_max") is None]
+steady = steadies[-1] if steadies else None
 
 # CPU-seconds per million events (= microseconds per event) of each process.
 def cpu(entry, proc):
@@ -85,7 +90,8 @@ if steady:
     sp = steady.get("sampled") or {}
     p99 = sp.get("p99_seconds")
     targets.append(target(
-        f"p99 delay ≤ 100 ms at a steady {rate(steady['rate_events_per_second'])} events/s (acknowledged → readable)",
+        f"p99 delay ≤ 100 ms at a steady {rate(steady['rate_events_per_second'])} events/s (acknowledged → readable;"
+        f" `kafka.fetch_wait_max` {steady.get('fetch_wait_max', '100ms')})",
         "–" if p99 is None else f"p50 {sp['p50_seconds'] * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms ({sp['trades']} sampled trades)",
         None if p99 is None else p99 <= 0.1))
 peak = max(first["peak_rss_mib"], second["peak_rss_mib"] if second else 0)
@@ -237,27 +243,67 @@ lines += [
     "each message's Kafka timestamp to the commit of its offset), read with",
     "`histogram_quantile`'s interpolation, while the generator produced at a",
     f"steady rate for {args_latency} s into a fresh topic, default settings",
-    "(`batch.linger` 50 ms). The generator and the broker's intake run on the",
-    "same two cores as the worker and both servers.",
+    "(`batch.linger` 50 ms) but for `kafka.fetch_wait_max` where the table says",
+    "so: the local Kafka-protocol broker holds every fetch until that wait ends",
+    "(Apache Kafka answers as soon as data arrives), so at the default 100 ms an",
+    "event waits 100 to 200 ms there before the worker can see it. The generator",
+    "and the broker's intake run on the same two cores as the worker and both servers.",
     "",
-    "| load | events/s | observations | p50 | p90 | p99 |",
-    "|---|---:|---:|---:|---:|---:|",
+    "| load | `kafka.fetch_wait_max` | events/s | observations | p50 | p90 | p99 |",
+    "|---|---|---:|---:|---:|---:|---:|",
 ]
 for x in delays:
     load = "steady target load" if x.get("fraction_of_max") is None else f"{x['fraction_of_max']:g} × the first set's throughput"
-    lines.append(f"| {load} | {rate(x['rate_events_per_second'])} | "
+    lines.append(f"| {load} | {x.get('fetch_wait_max', '100ms')} | {rate(x['rate_events_per_second'])} | "
                  f"{x['observed']:,.0f} | {x['p50_seconds'] * 1000:.0f} ms | {x['p90_seconds'] * 1000:.0f} ms | "
                  f"{x['p99_seconds'] * 1000:.0f} ms |")
-if steady and (steady.get("sampled") or {}).get("trades"):
-    sp = steady["sampled"]
+sampled = [x for x in steadies if (x.get("sampled") or {}).get("trades")]
+if sampled:
     lines += [
         "",
-        f"At the steady {rate(steady['rate_events_per_second'])} events/s, one trade every 200 ms was also",
+        f"At the steady {rate(sampled[0]['rate_events_per_second'])} events/s, one trade every 200 ms was also",
         "timed from the producer's acknowledgement (`acks=all`) to its key being",
         "readable in MongoDB (an indexed lookup every 5 ms, read concern majority):",
-        f"{sp['trades']} trades, p50 {sp['p50_seconds'] * 1000:.0f} ms, p90 {sp['p90_seconds'] * 1000:.0f} ms,"
-        f" p99 {sp['p99_seconds'] * 1000:.0f} ms, max {sp['max_seconds'] * 1000:.0f} ms.",
+        "",
+        "| `kafka.fetch_wait_max` | trades | p50 | p90 | p99 | max |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+    for x in sampled:
+        sp = x["sampled"]
+        lines.append(f"| {x.get('fetch_wait_max', '100ms')} | {sp['trades']} | {sp['p50_seconds'] * 1000:.0f} ms | "
+                     f"{sp['p90_seconds'] * 1000:.0f} ms | {sp['p99_seconds'] * 1000:.0f} ms | {sp['max_seconds'] * 1000:.0f} ms |")
+STAGES = [
+    ("in_kafka", "in Kafka: message timestamp → received by the worker (per event)"),
+    ("batching", "batching: first record received → batch closed (per batch)"),
+    ("decode", "decoding the closed batch (per batch)"),
+    ("queued", "queued: closed → taken by the write stage (per batch)"),
+    ("writing", "writing: the write stage, all requests and retries (per batch)"),
+    ("mongodb_load", "of which MongoDB `load` requests (newest buckets)"),
+    ("mongodb_find_keys", "of which MongoDB `find_keys` requests"),
+    ("mongodb_fill", "of which MongoDB `fill` requests (update command)"),
+    ("mongodb_insert", "of which MongoDB `insert` requests (new buckets)"),
+    ("commit", "commit: oldest unanswered offset commit → the coordinator's answer"),
+]
+def ms(x): return "–" if x is None else f"{x * 1000:.1f} ms"
+staged = [x for x in steadies if x.get("stages")]
+if staged:
+    lines += [
+        "",
+        f"Where the delay goes at the steady {rate(staged[0]['rate_events_per_second'])} events/s: the worker's",
+        "`tradebucket_stage_delay_seconds{stage}` and `tradebucket_mongodb_request_duration_seconds{operation}`",
+        "from the same phases (p50 and p99 interpolated within histogram buckets, so",
+        "read them to a bucket's precision), mean / p50 / p99 per `kafka.fetch_wait_max`:",
+        "",
+        "| stage | " + " | ".join(f"{x.get('fetch_wait_max', '100ms')}: observations | mean / p50 / p99" for x in staged) + " |",
+        "|---|" + "---:|---:|" * len(staged),
+    ]
+    for key, name in STAGES:
+        cells = []
+        for x in staged:
+            v = x["stages"].get(key) or {}
+            cells.append(f"{v.get('observations') or 0:,.0f} | {ms(v.get('mean_seconds'))} / "
+                         f"{ms(v.get('p50_seconds'))} / {ms(v.get('p99_seconds'))}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
 lines += [
     "",
     "## Targets (issues #18 and #29)",

@@ -36,13 +36,14 @@ pub enum ConfigError {
 
 /// librdkafka properties tradebucket sets from a setting of its own, which
 /// `kafka.options` may therefore not set.
-const OWNED_OPTIONS: [(&str, &str); 8] = [
+const OWNED_OPTIONS: [(&str, &str); 9] = [
     ("bootstrap.servers", "kafka.brokers"),
     ("group.id", "kafka.group_id"),
     ("client.id", "kafka.client_id"),
     ("auto.offset.reset", "kafka.auto_offset_reset"),
     ("session.timeout.ms", "kafka.session_timeout"),
     ("max.poll.interval.ms", "kafka.max_poll_interval"),
+    ("fetch.wait.max.ms", "kafka.fetch_wait_max"),
     ("socket.timeout.ms", "timeouts.kafka_request"),
     ("message.timeout.ms", "timeouts.dead_letter_delivery"),
 ];
@@ -108,6 +109,13 @@ pub struct KafkaSettings {
     /// poll loop before the member is considered stuck.
     #[serde(with = "humantime_serde")]
     pub max_poll_interval: Duration,
+    /// librdkafka `fetch.wait.max.ms`: how long a broker may hold a fetch
+    /// that has no data yet. Apache Kafka answers as soon as data arrives,
+    /// so there it only sets how often an idle consumer asks; a broker
+    /// that holds every fetch until this ends adds up to twice it to each
+    /// event's delay.
+    #[serde(with = "humantime_serde")]
+    pub fetch_wait_max: Duration,
     /// Largest accepted payload (JSON bytes); larger events are
     /// dead-lettered. It bounds what a record costs to read, not a bucket:
     /// buckets close by BSON size, and a trade too large for any bucket
@@ -432,6 +440,22 @@ impl Settings {
         }
         if k.max_message_bytes == 0 {
             return Err(invalid("kafka.max_message_bytes", "must be positive"));
+        }
+        // librdkafka's own range; below a millisecond an idle consumer
+        // would send fetches back to back.
+        if !(Duration::from_millis(1)..=Duration::from_secs(300)).contains(&k.fetch_wait_max) {
+            return Err(invalid("kafka.fetch_wait_max", "must be from 1ms to 5m"));
+        }
+        // A held fetch must end well within the request's time limit, or
+        // librdkafka times the fetch out and the requests queued behind it.
+        if k.fetch_wait_max + Duration::from_secs(1) > self.timeouts.kafka_request {
+            return Err(invalid(
+                "kafka.fetch_wait_max",
+                format!(
+                    "must be at least 1s below timeouts.kafka_request ({:?})",
+                    self.timeouts.kafka_request
+                ),
+            ));
         }
         // Each of these has one place, a setting of ours that other rules
         // and the docs rely on: an option would silently replace it.

@@ -293,3 +293,24 @@ fn a_refused_uri_is_reported_without_its_secrets() {
         }
     }
 }
+
+/// `kafka.fetch_wait_max` is librdkafka's range, and a held fetch must end
+/// at least a second before the request's own time limit.
+#[test]
+fn the_fetch_wait_is_bounded_by_the_request_limit() {
+    let load = |pairs: &[(&str, &str)]| Settings::load_from(None, env(pairs));
+    let wait = "TRADEBUCKET__KAFKA__FETCH_WAIT_MAX";
+    let s = load(&[(wait, "10ms")]).unwrap();
+    assert_eq!(s.kafka.fetch_wait_max, Duration::from_millis(10));
+    for bad in ["0ms", "301s"] {
+        let said = load(&[(wait, bad)]).unwrap_err().to_string();
+        assert!(said.contains("kafka.fetch_wait_max"), "{bad}: {said}");
+    }
+    let said = load(&[
+        (wait, "29500ms"),
+        ("TRADEBUCKET__TIMEOUTS__KAFKA_REQUEST", "30s"),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(said.contains("timeouts.kafka_request"), "{said}");
+}

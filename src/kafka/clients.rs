@@ -100,11 +100,7 @@ fn consumer_config(settings: &Settings) -> ClientConfig {
         ("max.poll.interval.ms", millis(k.max_poll_interval)),
         // Lag per partition comes from librdkafka's statistics.
         ("statistics.interval.ms", "5000".to_string()),
-        // Kafka answers a fetch as soon as data is there, but a broker
-        // that holds it until the wait ends (the local test broker does)
-        // would add up to 500 ms to every event's delay at low rates.
-        // Idle, this costs one empty fetch per broker every 100 ms.
-        ("fetch.wait.max.ms", "100".to_string()),
+        ("fetch.wait.max.ms", millis(k.fetch_wait_max)),
     ]
     .into_iter()
     .chain(prefetch())

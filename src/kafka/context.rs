@@ -15,11 +15,12 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Reb
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::producer::FutureProducer;
 use rdkafka::statistics::Statistics;
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::TopicPartitionList;
 
 use crate::config::Settings;
 use crate::health::{Change, Health};
-use crate::metrics::{CommitResult, Metrics, RebalanceKind, TimeoutOperation};
+use crate::metrics::{CommitResult, DelayStage, Metrics, RebalanceKind, TimeoutOperation};
 use crate::offsets::TopicPartition;
 
 use super::group::Settling;
@@ -97,6 +98,9 @@ pub struct ConsumerCtx {
     health: Arc<Health>,
     /// How long the group has been rebalancing (`Health::group_unsettled`).
     settling: Mutex<Settling>,
+    /// When the oldest offset commit not yet answered was asked for
+    /// (`commit_asked`), for the `commit` stage of the delay metric.
+    commit_asked_at: Mutex<Option<Instant>>,
 }
 
 impl ClientContext for ConsumerCtx {
@@ -167,6 +171,34 @@ impl ConsumerCtx {
             logs: ScrubbedLogs::new(settings),
             health,
             settling: Mutex::new(Settling::new(limit)),
+            commit_asked_at: Mutex::new(None),
+        }
+    }
+
+    /// An asynchronous offset commit was asked for. Commits go out one
+    /// after another and each supersedes the last, so the delay that
+    /// matters is from the oldest unanswered one to the next answer: that
+    /// is how far the committed offsets trail the handled ones. (One
+    /// instant rather than a queue of them: a commit answered without
+    /// having been counted here, such as the revoke callback's, cannot
+    /// shift every later measurement.)
+    pub fn commit_asked(&self) {
+        if let Ok(mut at) = self.commit_asked_at.lock() {
+            at.get_or_insert_with(Instant::now);
+        }
+    }
+
+    /// The coordinator answered a commit: the `commit` stage's delay.
+    fn commit_answered(&self) {
+        let asked = self
+            .commit_asked_at
+            .lock()
+            .ok()
+            .and_then(|mut at| at.take());
+        if let Some(asked) = asked {
+            self.metrics
+                .stage_delay(DelayStage::Commit)
+                .observe(asked.elapsed().as_secs_f64());
         }
     }
 
@@ -291,8 +323,11 @@ impl ConsumerContext for ConsumerCtx {
     }
 
     fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        self.commit_answered();
         match result {
             Ok(()) => self.metrics.commit(CommitResult::Ok).inc(),
+            // Nothing stored was new: nothing to commit, nothing failed.
+            Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
             Err(e) => {
                 self.metrics.commit(CommitResult::Error).inc();
                 tracing::warn!(error = %e, "offset commit failed; the next commit supersedes it");

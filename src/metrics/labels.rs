@@ -75,13 +75,27 @@ label_set! {
 }
 
 label_set! {
-    /// `operation` of `tradebucket_mongodb_write_duration_seconds`: the
+    /// `operation` of `tradebucket_mongodb_request_duration_seconds`: the
     /// writer's requests (see `bucket::writer`).
     WriteOperation {
         Load => "load",
         FindKeys => "find_keys",
         Fill => "fill",
         Insert => "insert",
+    }
+}
+
+label_set! {
+    /// `stage` of `tradebucket_stage_delay_seconds`: where an event's delay
+    /// goes, from the producer to the committed offset (see the metric's
+    /// help for what each one times).
+    DelayStage {
+        InKafka => "in_kafka",
+        Batching => "batching",
+        Decode => "decode",
+        Queued => "queued",
+        Writing => "writing",
+        Commit => "commit",
     }
 }
 

@@ -60,6 +60,43 @@ impl KafkaIntake {
     }
 }
 
+/// Commits the stored offsets without waiting, the result delivered to
+/// `ConsumerCtx::commit_callback` when the loop polls the consumer.
+///
+/// rust-rdkafka 0.39's `commit_consumer_state(Async)` calls librdkafka's
+/// `rd_kafka_commit` with no reply queue, so an asynchronous commit's
+/// result is never delivered and the callback never runs
+/// (fede1024/rust-rdkafka#856): `tradebucket_offset_commits_total` stayed
+/// at 0 and a failed commit went unseen by its alert. librdkafka's
+/// `rd_kafka_commit_queue` with the consumer's own queue (which the loop
+/// polls through `recv`) delivers the result there as the offset-commit
+/// event rust-rdkafka hands to the callback; that is also the fix
+/// proposed upstream (fede1024/rust-rdkafka#857).
+fn commit_async(consumer: &StreamConsumer<ConsumerCtx>) -> Result<(), KafkaError> {
+    use rdkafka::bindings as rd;
+    let rk = consumer.client().native_ptr();
+    // SAFETY: `rk` is the handle of a consumer that lives through this
+    // call. `rd_kafka_queue_get_consumer` returns a new reference to its
+    // queue (null if it has none); the commit takes a reference of its own
+    // for its reply (librdkafka's `RD_KAFKA_REPLYQ`), so ours is released
+    // at once. Null offsets mean "the stored offsets", as for
+    // `commit_consumer_state`.
+    let err = unsafe {
+        let queue = rd::rd_kafka_queue_get_consumer(rk);
+        if queue.is_null() {
+            return Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::Fail));
+        }
+        let err =
+            rd::rd_kafka_commit_queue(rk, std::ptr::null(), queue, None, std::ptr::null_mut());
+        rd::rd_kafka_queue_destroy(queue);
+        err
+    };
+    match RDKafkaErrorCode::from(err) {
+        RDKafkaErrorCode::NoError => Ok(()),
+        code => Err(KafkaError::ConsumerCommit(code)),
+    }
+}
+
 impl Intake for KafkaIntake {
     async fn recv(&mut self) -> Result<Record, ConsumerError> {
         let m = self.consumer.recv().await.map_err(|e| ConsumerError {
@@ -101,7 +138,14 @@ impl Intake for KafkaIntake {
         } else if matches!(mode, CommitMode::Async) {
             return;
         }
-        match self.consumer.commit_consumer_state(mode) {
+        let committed = match mode {
+            CommitMode::Async => {
+                self.consumer.context().commit_asked();
+                commit_async(&self.consumer)
+            }
+            CommitMode::Sync => self.consumer.commit_consumer_state(mode),
+        };
+        match committed {
             // Async commits are counted by the commit callback.
             Ok(()) if matches!(mode, CommitMode::Sync) => {
                 self.metrics.commit(CommitResult::Ok).inc();

@@ -11,6 +11,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use tokio::time::Instant as TokioInstant;
+
 use super::error_chain;
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
 use crate::bucket::writer::{Outcome, WriteStats};
@@ -44,6 +46,8 @@ impl Decoded {
 pub(super) struct Closed {
     pub records: Vec<Record>,
     pub decoded: Decoded,
+    /// When it was closed (the `queued` stage of the delay metric).
+    pub closed: TokioInstant,
 }
 
 /// A batch whose every event is handled: written, found already stored,
@@ -52,8 +56,9 @@ pub(super) struct Done {
     pub records: Vec<Record>,
     pub counts: OutcomeCounts,
     pub stats: WriteStats,
-    /// When the stage took the batch.
-    pub started: Instant,
+    /// When the stage took the batch (the loop's clock, as every stage of
+    /// the delay metric).
+    pub started: TokioInstant,
 }
 
 #[derive(Debug, Default)]
@@ -99,11 +104,13 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     /// cache: every write is guarded, so a stale entry costs a conflict,
     /// never a wrong write.
     pub async fn handle(mut self, batch: Closed, forget: bool) -> (Self, Done) {
-        let started = Instant::now();
+        let started = TokioInstant::now();
         if forget {
             self.buckets.forget_all();
         }
-        let Closed { records, decoded } = batch;
+        let Closed {
+            records, decoded, ..
+        } = batch;
         let Decoded {
             events,
             record_of,

@@ -19,7 +19,7 @@ use crate::config::Settings;
 use crate::event::{Source, Trade};
 use crate::health::Health;
 use crate::kafka::{DeadLetter, GroupEvent};
-use crate::metrics::{ConsumerErrorKind, Metrics};
+use crate::metrics::{ConsumerErrorKind, DelayStage, Metrics};
 use crate::offsets::TopicPartition;
 
 const LINGER: Duration = Duration::from_millis(50);
@@ -194,6 +194,7 @@ struct Harness {
     shutdown: CancellationToken,
     handle: tokio::task::JoinHandle<Result<(), PipelineError>>,
     start: Instant,
+    metrics: Metrics,
 }
 
 #[derive(Default)]
@@ -270,13 +271,14 @@ impl Harness {
         if let Some(d) = o.max_poll_interval {
             settings.kafka.max_poll_interval = d;
         }
+        let metrics = Metrics::new();
         let worker = Worker::new(
             settings,
             crate::event::Mappings::default(),
             intake,
             buckets,
             dead_letters,
-            Metrics::new(),
+            metrics.clone(),
             health.clone(),
         );
         let shutdown = CancellationToken::new();
@@ -290,6 +292,7 @@ impl Harness {
             shutdown,
             handle,
             start,
+            metrics,
         }
     }
 
@@ -695,6 +698,42 @@ async fn commits_follow_the_batches_in_order_with_two_in_flight() {
         vec![(ms(0), vec![0, 1, 2]), (ms(100), vec![3, 4, 5])]
     );
     assert_eq!(h.commits()[1], (ms(200), vec![(tp(0), 6)], Commit::Async));
+    h.stop().await;
+}
+
+/// Each stage of an event's delay is timed on its own: batching from the
+/// first record taken to the batch closed, queued from closed to the
+/// stage taking it, writing the stage's work; in Kafka per record, from
+/// its timestamp.
+#[tokio::test(start_paused = true)]
+async fn the_delay_is_split_by_stage() {
+    let h = Harness::start(
+        Options {
+            write_delay: ms(100),
+            max_events: Some(3),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.send(0, 0..3, true); // closed at once, written 0 to 100 ms
+    h.until(ms(10)).await;
+    h.send(0, 3..5, true); // taken, but the stage is busy: the batch stays open
+    h.until(ms(30)).await;
+    let mut late = record(0, 5, true);
+    late.timestamp_ms = Some(crate::health::now_ms() as i64 - 5_000);
+    h.records.send(Ok(late)).unwrap(); // fills it: closed at 30 ms
+    h.until(ms(250)).await;
+    let stage = |s: DelayStage| {
+        let h = h.metrics.stage_delay(s);
+        (h.get_sample_count(), h.get_sample_sum())
+    };
+    assert_eq!(stage(DelayStage::Batching), (2, 0.020), "0 and 20 ms");
+    assert_eq!(stage(DelayStage::Queued), (2, 0.070), "0 and 70 ms");
+    assert_eq!(stage(DelayStage::Writing), (2, 0.200), "100 ms each");
+    assert_eq!(stage(DelayStage::Decode).0, 2);
+    let (count, sum) = stage(DelayStage::InKafka);
+    assert_eq!(count, 1, "only the record with a timestamp");
+    assert!((5.0..6.0).contains(&sum), "{sum}");
     h.stop().await;
 }
 

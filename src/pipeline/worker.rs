@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
+use prometheus::Histogram;
 use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
 
@@ -34,7 +35,7 @@ use crate::config::Settings;
 use crate::event::Mappings;
 use crate::health::{now_ms, Health};
 use crate::kafka::GroupEvent;
-use crate::metrics::{ConsumerErrorKind, Metrics, SkipReason};
+use crate::metrics::{ConsumerErrorKind, DelayStage, Metrics, SkipReason};
 use crate::offsets::{OffsetTracker, TopicPartition};
 use crate::ratelimit::RateLimit;
 use crate::throttle::Throttle;
@@ -174,6 +175,9 @@ pub(crate) struct Worker<I, B, D> {
     /// revoke and reassign.
     hold: Hold,
     metrics: Metrics,
+    /// `tradebucket_stage_delay_seconds{stage="in_kafka"}`, observed per
+    /// record, so looked up once.
+    in_kafka: Histogram,
     health: Arc<Health>,
     /// A revocation since the last dispatch: the stage forgets its cached
     /// buckets before its next batch (see `Stage::handle`).
@@ -213,6 +217,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             tracker: OffsetTracker::new(),
             assignment: BTreeSet::new(),
             hold: Hold::Free,
+            in_kafka: metrics.stage_delay(DelayStage::InKafka),
             metrics,
             health,
             forget: false,
@@ -369,6 +374,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     fn received(&mut self, r: Result<Record, ConsumerError>) {
         match r {
             Ok(record) => {
+                if let Some(ts) = record.timestamp_ms {
+                    self.in_kafka.observe(seconds_since(ts));
+                }
                 self.tracker.consumed(&record.tp, record.offset);
                 self.open.bytes += record.size();
                 self.open.since.get_or_insert_with(TokioInstant::now);
@@ -385,6 +393,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         if open.records.is_empty() {
             return;
         }
+        if let Some(since) = open.since {
+            self.observe_stage(DelayStage::Batching, since.elapsed());
+        }
         self.metrics
             .events_consumed
             .inc_by(open.records.len() as u64);
@@ -392,10 +403,13 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             .in_flight_events
             .set(self.tracker.in_flight() as i64);
         let max_bytes = self.settings.kafka.max_message_bytes;
+        let decoding = TokioInstant::now();
         let decoded = decode_batch(&open.records, &self.mappings, max_bytes);
+        self.observe_stage(DelayStage::Decode, decoding.elapsed());
         self.queued.push_back(Closed {
             records: open.records,
             decoded,
+            closed: TokioInstant::now(),
         });
     }
 
@@ -411,6 +425,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         }
         let stage = self.stage.take()?;
         let batch = self.queued.pop_front()?;
+        self.observe_stage(DelayStage::Queued, batch.closed.elapsed());
         Some((stage, batch, std::mem::take(&mut self.forget)))
     }
 
@@ -436,6 +451,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// A batch is handled: its offsets may be committed.
     fn finish(&mut self, stage: Stage<B, D>, done: Done) {
         self.stage = Some(stage);
+        self.observe_stage(DelayStage::Writing, done.started.elapsed());
         for r in &done.records {
             self.tracker.handled(&r.tp, r.offset);
         }
@@ -574,14 +590,16 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         self.intake.commit(&commits, mode);
     }
 
+    fn observe_stage(&self, stage: DelayStage, took: Duration) {
+        self.metrics.stage_delay(stage).observe(took.as_secs_f64());
+    }
+
     /// Metrics and the debug line of a handled batch.
     fn observe(&self, done: &Done) {
         let (batch, counts, stats) = (&done.records, &done.counts, &done.stats);
         let m = &self.metrics;
-        let now = now_ms() as i64;
         for ts in batch.iter().filter_map(|r| r.timestamp_ms) {
-            m.end_to_end_delay
-                .observe(((now - ts).max(0) as f64) / 1000.0);
+            m.end_to_end_delay.observe(seconds_since(ts));
         }
         m.events_written.inc_by(counts.written);
         m.skipped(SkipReason::AlreadyApplied).inc_by(counts.applied);
@@ -605,6 +623,12 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             "batch committed"
         );
     }
+}
+
+/// Seconds from a Kafka timestamp (milliseconds since the epoch) to now;
+/// 0 for a timestamp in the future (the producer's clock is ahead).
+fn seconds_since(timestamp_ms: i64) -> f64 {
+    ((now_ms() as i64 - timestamp_ms).max(0) as f64) / 1000.0
 }
 
 /// The write stage's result, or never while it is idle.

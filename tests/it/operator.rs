@@ -149,3 +149,70 @@ async fn a_uri_with_mongodb_aws_auth_parses() {
         .mechanism;
     assert_eq!(mechanism, Some(mongodb::options::AuthMechanism::MongoDbAws));
 }
+
+/// The value of the series `name{labels}` in a `/metrics` text.
+fn labelled(text: &str, name: &str, labels: &str) -> f64 {
+    sample(text, &format!("{name}{{{labels}}}")).unwrap_or(0.0)
+}
+
+/// Every stage of the delay is observed (the per-event one once per
+/// event, the per-batch ones once per batch), and every asynchronous
+/// offset commit is answered and counted: rust-rdkafka 0.39 never delivers
+/// an asynchronous commit's result unless it is asked for on the
+/// consumer's queue (fede1024/rust-rdkafka#856), and then the commit
+/// counter stayed at 0 and a failed commit would never have fired its
+/// alert.
+#[tokio::test]
+async fn every_stage_of_the_delay_and_every_commit_are_counted() {
+    let env = TestEnv::new("stages", 2).await;
+    let total = 400u64;
+    let events: Vec<Produced> = (0..total)
+        .map(|i| Produced {
+            key: Some((i % 20).to_string()),
+            payload: Some(trade(format!("ST{i}")).customer(i % 20).payload()),
+            ..Produced::default()
+        })
+        .collect();
+    produce_fast(&env.kafka, &env.topic, &events).await;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let vars = env.vars(&[
+        ("TRADEBUCKET__HTTP__LISTEN", &listen),
+        // Several batches, so several commits.
+        ("TRADEBUCKET__BATCH__MAX_EVENTS", "50"),
+    ]);
+    let worker = WorkerProcess::start(bin(), &vars, Log::Quiet);
+    let commits = |text: &str| labelled(text, "tradebucket_offset_commits_total", "result=\"ok\"");
+    let url = format!("http://{listen}/metrics");
+    let scrape_all = || async { http_get(&url).await.map(|(_, b)| b).unwrap_or_default() };
+    eventually(
+        "every event written and commits answered",
+        Duration::from_secs(60),
+        || async {
+            let text = scrape_all().await;
+            sample(&text, "tradebucket_events_written_total") == Some(total as f64)
+                && commits(&text) >= 1.0
+        },
+    )
+    .await;
+    let text = scrape_all().await;
+    let count = |stage: &str| {
+        let name = "tradebucket_stage_delay_seconds_count";
+        labelled(&text, name, &format!("stage=\"{stage}\""))
+    };
+    assert_eq!(count("in_kafka"), total as f64, "one per event");
+    let batches = count("writing");
+    assert!(batches >= (total / 50) as f64, "{batches} batches");
+    for stage in ["batching", "decode", "queued"] {
+        assert_eq!(count(stage), batches, "{stage}: one per batch");
+    }
+    assert!(count("commit") >= 1.0, "a commit's answer is timed");
+    assert_eq!(
+        labelled(
+            &text,
+            "tradebucket_offset_commits_total",
+            "result=\"error\""
+        ),
+        0.0
+    );
+    drop(worker);
+}
