@@ -53,6 +53,14 @@ pub struct Size {
     pub cap_bytes: u64,
 }
 
+/// A bucket's trade keys. Hashed with foldhash, not SipHash: planning
+/// looks up and inserts every event's key here, and SipHash was a seventh
+/// of planning's work (docs/benchmarks.md, "Hot path"). SipHash's
+/// resistance to chosen collisions is not needed: the set holds one
+/// bucket's keys, at most `buckets.capacity` (1,000), so colliding keys
+/// cost a producer no more than a bucket's worth of comparisons.
+pub type KeySet = HashSet<String, foldhash::fast::RandomState>;
+
 /// What we know of a customer's newest bucket.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BucketHead {
@@ -70,7 +78,7 @@ pub struct BucketHead {
     /// holding only the growth, below the true size).
     pub size: Option<Size>,
     /// `history.key` of every trade in this bucket.
-    pub keys: HashSet<String>,
+    pub keys: KeySet,
     /// Partition key -> highest applied offset.
     pub wm: BTreeMap<String, i64>,
 }
@@ -343,7 +351,7 @@ fn open_bucket(
         customer,
         count: 0,
         cap: Some(limits.cap),
-        keys: HashSet::with_capacity(events.len()),
+        keys: KeySet::with_capacity_and_hasher(events.len(), Default::default()),
         wm,
     };
     let mut taken = Vec::with_capacity(events.len());

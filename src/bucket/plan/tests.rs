@@ -52,7 +52,7 @@ fn head_of(id: &str, count: u32, cap: u32) -> BucketHead {
             bytes: 1_000,
             cap_bytes: size::CAP_BYTES,
         }),
-        keys: HashSet::new(),
+        keys: KeySet::default(),
         wm: BTreeMap::new(),
     }
 }
@@ -182,7 +182,7 @@ fn a_key_known_not_stored_is_planned_even_below_the_watermark() {
         count: 3,
         cap: Some(10),
         size: None,
-        keys: HashSet::new(),
+        keys: KeySet::default(),
         wm: [("t~x:0".to_string(), 20)].into_iter().collect(),
     };
     let trades = [
@@ -211,7 +211,7 @@ fn a_foreign_newest_bucket_makes_events_unplaceable_not_misplaced() {
         count: 10,
         cap: None,
         size: None,
-        keys: HashSet::new(),
+        keys: KeySet::default(),
         wm: BTreeMap::new(),
     };
     let t = trade(5, "k", 100, "A");
