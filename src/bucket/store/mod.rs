@@ -2,8 +2,9 @@
 //! a customer's newest bucket, the guarded fill updates, the bucket
 //! inserts, the reads behind `page` and `audit`). Beside it: `error` (what
 //! requests fail with), `layout` (indexes, `init`, sharding), `codec` (the
-//! stored document and our view of it) and `write` (a write command's
-//! write concern and size, and what its reply says).
+//! stored document and our view of it, written with `bson_out`: one buffer
+//! per document, sized up front) and `write` (a write command's write
+//! concern and size, and what its reply says).
 //!
 //! Fills go out as one raw `update` command with many statements (every
 //! server version has it; the driver's typed multi-statement API needs
@@ -28,9 +29,12 @@
 //! creates and checks that layout; each mode refuses a collection laid out
 //! for the other.
 
+mod bson_out;
 mod codec;
 mod error;
 mod layout;
+#[cfg(test)]
+mod oracle;
 mod write;
 
 pub use codec::{bucket_document, fill_statement, head_from_document};
