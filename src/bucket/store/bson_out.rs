@@ -1,8 +1,8 @@
 //! A small BSON writer for the store's fixed shapes (the fill statement, a
-//! new bucket): every element written in place into one buffer sized up
-//! front. `rawdoc!` instead builds each nested value in its own buffer,
-//! copies it into its parent's, and grows every buffer as it goes; for a
-//! fill statement that was most of the encoding's cost.
+//! new bucket, the `update` command): every element written in place into
+//! one buffer sized up front. `rawdoc!` instead builds each nested value in
+//! its own buffer, copies it into its parent's, and grows every buffer as
+//! it goes; for a fill statement that was most of the encoding's cost.
 //!
 //! The bytes are those bson 2.15's `RawDocumentBuf::append` writes (element
 //! type, name, NUL, value; a document's length patched in at its end): the
@@ -19,6 +19,7 @@ use mongodb::bson::{RawDocument, RawDocumentBuf};
 pub(super) const STRING: u8 = 0x02;
 pub(super) const DOCUMENT: u8 = 0x03;
 pub(super) const ARRAY: u8 = 0x04;
+pub(super) const BOOLEAN: u8 = 0x08;
 pub(super) const INT32: u8 = 0x10;
 pub(super) const INT64: u8 = 0x12;
 
@@ -179,6 +180,11 @@ impl BsonOut {
         self.buf.extend_from_slice(&v.to_le_bytes());
     }
 
+    pub(super) fn boolean<'a>(&mut self, name: impl Into<Name<'a>>, v: bool) {
+        self.name(BOOLEAN, name);
+        self.buf.push(u8::from(v));
+    }
+
     /// A string element: its length with the NUL (as bson does, `as i32`),
     /// its bytes (a NUL among them is fine: the length delimits it), NUL.
     pub(super) fn string<'a>(&mut self, name: impl Into<Name<'a>>, s: &str) {
@@ -232,12 +238,13 @@ mod tests {
     fn every_kind_is_written_as_bson_writes_it() {
         let entry = rawdoc! {"k": "v"};
         let expected = rawdoc! {
-            "s": "a\0b", "wm.t~x:3": -5_i64, "a": [{"k": "v"}], "d": {},
+            "s": "a\0b", "wm.t~x:3": -5_i64, "f": false, "a": [{"k": "v"}], "d": {},
         };
         let mut out = BsonOut::with_capacity(expected.as_bytes().len());
         let open = out.begin();
         out.string("s", "a\0b");
         out.int64(Name::Joined("wm.", "t~x:3"), -5);
+        out.boolean("f", false);
         let inner = out.array("a");
         out.raw_document(0, &entry);
         out.end(inner);

@@ -1,9 +1,9 @@
 //! The previous encoder, kept as the reference the new one is held to:
-//! `fill_statement` and `bucket_document` as they were built with
-//! `rawdoc!` and `RawArrayBuf` (bson 2.15) before the store wrote them with
-//! [`super::bson_out`]. What MongoDB is sent must
+//! `fill_statement`, `bucket_document` and `apply_fills`' `update` command
+//! as they were built with `rawdoc!` and `RawArrayBuf` (bson 2.15) before
+//! the store wrote them with [`super::bson_out`]. What MongoDB is sent must
 //! stay byte for byte what it was, and the property tests below compare
-//! the two on generated fills and buckets.
+//! the two on generated fills, buckets and commands.
 
 use mongodb::bson::{rawdoc, RawArrayBuf, RawBson, RawDocumentBuf};
 
@@ -73,6 +73,24 @@ fn history(trades: &[&Trade]) -> RawArrayBuf {
         history.push(t.doc.clone());
     }
     history
+}
+
+/// The previous `BucketStore::apply_fills`' command for one chunk.
+pub(super) fn update_command(
+    collection: &str,
+    chunk: Vec<RawDocumentBuf>,
+    write_concern_doc: &RawDocumentBuf,
+) -> RawDocumentBuf {
+    let mut updates = RawArrayBuf::new();
+    for statement in chunk {
+        updates.push(statement);
+    }
+    rawdoc! {
+        "update": collection,
+        "updates": updates,
+        "ordered": false,
+        "writeConcern": write_concern_doc.clone(),
+    }
 }
 
 mod tests;

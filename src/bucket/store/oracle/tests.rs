@@ -1,5 +1,5 @@
 //! The store's encoder against the previous one ([`super`]): the same bytes
-//! for every generated fill and bucket.
+//! for every generated fill, bucket and `update` command.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -7,7 +7,7 @@ use mongodb::bson::{doc, Bson, DateTime, Document, RawDocumentBuf};
 use proptest::prelude::*;
 
 use crate::bucket::plan::{Fill, Limits, NewBucket};
-use crate::bucket::store::{bucket_document, fill_statement};
+use crate::bucket::store::{bucket_document, chunk_by_size, fill_statement, update_command};
 use crate::event::{CustomerId, Trade};
 
 /// A scalar of a history entry.
@@ -145,6 +145,24 @@ fn new_bucket() -> impl Strategy<Value = NewBucket> {
     )
 }
 
+/// A write concern as `write::write_concern_doc` writes one.
+fn write_concern() -> impl Strategy<Value = RawDocumentBuf> {
+    let w = prop_oneof![
+        any::<u32>().prop_map(|n| Bson::Int64(i64::from(n))),
+        "[a-z]{1,10}".prop_map(Bson::String),
+    ];
+    (w, any::<Option<bool>>(), any::<Option<i64>>()).prop_map(|(w, j, wtimeout)| {
+        let mut d = doc! {"w": w};
+        if let Some(j) = j {
+            d.insert("j", j);
+        }
+        if let Some(t) = wtimeout {
+            d.insert("wtimeout", t);
+        }
+        RawDocumentBuf::from_document(&d).expect("no NUL in names")
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(600))]
 
@@ -169,6 +187,38 @@ proptest! {
         let new = bucket_document(&bucket, &trades);
         let old = super::bucket_document(&bucket, &trades);
         prop_assert_eq!(new.as_bytes(), old.as_bytes());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Each chunk's command as `apply_fills` built it from its statements
+    /// (fill statements, as sent, of up to a few hundred per command).
+    #[test]
+    fn update_commands_are_the_previous_encoders_bytes(
+        collection in "[^\u{0}]{1,30}",
+        fills in prop::collection::vec((fill(), 0..20usize), 0..150),
+        pool in prop::collection::vec(trade(), 1..4),
+        shard_key in shard_key(),
+        write_concern in write_concern(),
+    ) {
+        let pool: Vec<&Trade> = pool.iter().collect();
+        let statements: Vec<RawDocumentBuf> = fills
+            .iter()
+            .map(|(f, n)| {
+                let trades: Vec<&Trade> = pool.iter().copied().cycle().take(*n).collect();
+                fill_statement(f, &trades, shard_key.as_ref())
+            })
+            .collect();
+        for chunk in chunk_by_size(&statements) {
+            let new = update_command(&collection, &statements[chunk.clone()], &write_concern);
+            let old = super::update_command(&collection, statements[chunk].to_vec(), &write_concern);
+            prop_assert_eq!(new.as_bytes(), old.as_bytes());
+        }
+        let empty = update_command(&collection, &[], &write_concern);
+        let old = super::update_command(&collection, Vec::new(), &write_concern);
+        prop_assert_eq!(empty.as_bytes(), old.as_bytes());
     }
 }
 
