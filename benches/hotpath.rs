@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use clap::Parser;
-use mongodb::bson::{rawdoc, RawArrayBuf, RawDocumentBuf};
+use mongodb::bson::{rawdoc, RawDocumentBuf};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde_json::json;
@@ -52,7 +52,8 @@ use tradebucket::bucket::plan::{
     plan_customer, BucketHead, CustomerPlan, Event, Known, Limits, LoadedHead,
 };
 use tradebucket::bucket::store::{
-    bucket_document, fill_statement, FillOutcome, InsertOutcome, StoreError,
+    bucket_document, chunk_by_size, fill_statement, update_command, FillOutcome, InsertOutcome,
+    StoreError,
 };
 use tradebucket::bucket::writer::{BucketWriter, Outcome};
 use tradebucket::cli::{synthetic_event, ProduceOptions};
@@ -297,10 +298,6 @@ struct MemDb {
     sent: Mutex<Sent>,
 }
 
-/// Bytes of fill statements per `update` command: the store's budget
-/// (`MAX_STATEMENT_BYTES` in src/bucket/store/mod.rs).
-const MAX_STATEMENT_BYTES: usize = 8 * 1024 * 1024;
-
 impl MemDb {
     fn sent(&self) -> std::sync::MutexGuard<'_, Sent> {
         self.sent.lock().expect("not poisoned")
@@ -339,36 +336,22 @@ impl BucketDb for MemDb {
     }
 
     /// The `update` commands exactly as `BucketStore::apply_fills` builds
-    /// them (the statements copied into `updates`, cut at its budget).
+    /// them (its own chunking and command builder).
     async fn apply_fills(
         &self,
         statements: Vec<RawDocumentBuf>,
     ) -> Result<FillOutcome, StoreError> {
         let matched = statements.len() as u64;
         let mut sent = self.sent();
-        let mut chunk = RawArrayBuf::new();
-        let mut chunk_bytes = 0;
-        let mut statements = statements.into_iter().peekable();
-        while let Some(s) = statements.next() {
-            let size = s.as_bytes().len();
-            sent.fill_statements += 1;
-            sent.fill_statement_bytes += size as u64;
-            chunk_bytes += size;
-            chunk.push(s);
-            let full = statements
-                .peek()
-                .is_some_and(|n| chunk_bytes + n.as_bytes().len() > MAX_STATEMENT_BYTES);
-            if full || statements.peek().is_none() {
-                let command = rawdoc! {
-                    "update": "buckets",
-                    "updates": std::mem::take(&mut chunk),
-                    "ordered": false,
-                    "writeConcern": {"w": "majority", "j": true, "wtimeout": 10_000_i64},
-                };
-                sent.update_commands += 1;
-                sent.command_bytes += command.as_bytes().len() as u64;
-                chunk_bytes = 0;
+        let write_concern = rawdoc! {"w": "majority", "j": true, "wtimeout": 10_000_i64};
+        for chunk in chunk_by_size(&statements) {
+            for s in &statements[chunk.clone()] {
+                sent.fill_statements += 1;
+                sent.fill_statement_bytes += s.as_bytes().len() as u64;
             }
+            let command = update_command("buckets", &statements[chunk], &write_concern);
+            sent.update_commands += 1;
+            sent.command_bytes += command.as_bytes().len() as u64;
         }
         Ok(FillOutcome {
             matched,

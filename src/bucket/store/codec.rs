@@ -1,10 +1,11 @@
 //! The bucket document as stored, and back: a new bucket, the guarded
 //! fill statement, and our view of a stored bucket (`BucketHead`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use mongodb::bson::{rawdoc, Bson, Document, RawArrayBuf, RawBson, RawDocumentBuf};
+use mongodb::bson::{Bson, Document, RawBson, RawDocumentBuf};
 
+use super::bson_out::{self, document, element, BsonOut, Name};
 use super::layout::SHARD_KEY_FIELD;
 use crate::bucket::plan::{BucketHead, Fill, NewBucket, UnreadableBucket};
 use crate::event::{CustomerId, Trade};
@@ -101,71 +102,229 @@ pub(crate) fn whole_number(v: &Bson) -> Option<i64> {
 /// [`super::BucketStore::shard_key`]), so mongos sends it to one shard. The same
 /// count means the same `bytes` (both change only here, together), so the
 /// guard also vouches for the size bound the plan started from.
+///
+/// `{q: {_id, count[, customerId]}, u: {$push: {history: {$each: [..]}},
+/// $inc: {count[, bytes]}, $max: {wm.<key>: offset, ..}, $addToSet:
+/// {tickers: {$each: [..]}}}}`, written in one buffer of its exact size.
 pub fn fill_statement(
     fill: &Fill,
     trades: &[&Trade],
     shard_key: Option<&CustomerId>,
 ) -> RawDocumentBuf {
-    let mut max = RawDocumentBuf::new();
-    for (k, v) in &fill.wm {
-        max.append(format!("wm.{k}"), *v);
-    }
-    let tickers: RawArrayBuf = fill.tickers.iter().map(String::as_str).collect();
-    let mut q = rawdoc! {"_id": fill.bucket_id.as_str(), "count": fill.expected_count as i64};
+    let mut out = BsonOut::with_capacity(fill_statement_size(fill, trades, shard_key));
+    let top = out.begin();
+    let q = out.document("q");
+    out.string("_id", &fill.bucket_id);
+    out.int64("count", i64::from(fill.expected_count));
     match shard_key {
-        Some(CustomerId::Int(i)) => q.append(SHARD_KEY_FIELD, *i),
-        Some(CustomerId::Str(s)) => q.append(SHARD_KEY_FIELD, s.as_str()),
+        Some(CustomerId::Int(i)) => out.int64(SHARD_KEY_FIELD, *i),
+        Some(CustomerId::Str(s)) => out.string(SHARD_KEY_FIELD, s),
         None => {}
     }
-    let mut inc = rawdoc! {"count": trades.len() as i64};
+    out.end(q);
+    let u = out.document("u");
+    let push = out.document("$push");
+    let field = out.document("history");
+    let each = out.array("$each");
+    history(&mut out, trades);
+    out.end(each);
+    out.end(field);
+    out.end(push);
+    let inc = out.document("$inc");
+    out.int64("count", trades.len() as i64);
     if let Some(bytes) = fill.bytes {
-        inc.append("bytes", bytes as i64);
+        // As the previous encoder did: `as`, not a checked conversion
+        // (a bound over i64::MAX is no bucket's).
+        out.int64("bytes", bytes as i64);
     }
-    rawdoc! {
-        "q": q,
-        "u": {
-            "$push": {"history": {"$each": history(trades)}},
-            "$inc": inc,
-            "$max": max,
-            "$addToSet": {"tickers": {"$each": tickers}},
-        },
+    out.end(inc);
+    let max = out.document("$max");
+    for (k, v) in watermarks(&fill.wm) {
+        out.int64(Name::Joined("wm.", k), *v);
     }
+    out.end(max);
+    let add = out.document("$addToSet");
+    let field = out.document("tickers");
+    let each = out.array("$each");
+    tickers(&mut out, &fill.tickers);
+    out.end(each);
+    out.end(field);
+    out.end(add);
+    out.end(u);
+    out.end(top);
+    out.finish()
 }
 
-/// A new bucket document.
+/// The exact size of [`fill_statement`]'s document, field for field.
+fn fill_statement_size(fill: &Fill, trades: &[&Trade], shard_key: Option<&CustomerId>) -> usize {
+    let shard = match shard_key {
+        Some(CustomerId::Int(_)) => element(SHARD_KEY_FIELD, 8),
+        Some(CustomerId::Str(s)) => element(SHARD_KEY_FIELD, bson_out::string(s)),
+        None => 0,
+    };
+    let q = element("_id", bson_out::string(&fill.bucket_id)) + element("count", 8) + shard;
+    let push = element("history", document(element("$each", history_size(trades))));
+    let inc = element("count", 8) + fill.bytes.map_or(0, |_| element("bytes", 8));
+    let max: usize = watermarks(&fill.wm)
+        .map(|(k, _)| element(Name::Joined("wm.", k), 8))
+        .sum();
+    let add = element(
+        "tickers",
+        document(element("$each", tickers_size(&fill.tickers))),
+    );
+    let u = element("$push", document(push))
+        + element("$inc", document(inc))
+        + element("$max", document(max))
+        + element("$addToSet", document(add));
+    document(element("q", document(q)) + element("u", document(u)))
+}
+
+/// A new bucket document, written in one buffer of its exact size.
 pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocumentBuf {
-    let mut wm = RawDocumentBuf::new();
-    for (k, v) in &bucket.wm {
-        wm.append(k, *v);
-    }
-    // Only an embedded document with a NUL in a field name fails to
-    // re-encode, and this value was either decoded from BSON (which cannot
-    // hold such a name) or built from a customer id.
-    let customer = RawBson::try_from(bucket.customer.clone())
-        .expect("a customer id taken from BSON re-encodes as BSON");
-    let tickers: RawArrayBuf = bucket.tickers.iter().map(String::as_str).collect();
+    let customer = CustomerValue::of(&bucket.customer);
+    let mut out = BsonOut::with_capacity(bucket_document_size(bucket, trades, &customer));
+    let top = out.begin();
     // Field for field what `size::empty_bucket` counts.
-    rawdoc! {
-        "_id": bucket.id.as_str(),
-        "customerId": customer,
-        "count": trades.len() as i64,
-        "cap": i64::from(bucket.limits.cap),
-        "capBytes": bucket.limits.cap_bytes as i64,
-        "bytes": bucket.bytes as i64,
-        "history": history(trades),
-        "tickers": tickers,
-        "prev": bucket.prev.as_str(),
-        "wm": wm,
+    out.string("_id", &bucket.id);
+    customer.write(&mut out);
+    out.int64("count", trades.len() as i64);
+    out.int64("cap", i64::from(bucket.limits.cap));
+    // `as`, as the previous encoder did (no bound is over i64::MAX).
+    out.int64("capBytes", bucket.limits.cap_bytes as i64);
+    out.int64("bytes", bucket.bytes as i64);
+    let array = out.array("history");
+    history(&mut out, trades);
+    out.end(array);
+    let array = out.array("tickers");
+    tickers(&mut out, &bucket.tickers);
+    out.end(array);
+    out.string("prev", &bucket.prev);
+    let wm = out.document("wm");
+    for (k, v) in watermarks(&bucket.wm) {
+        out.int64(k.as_str(), *v);
+    }
+    out.end(wm);
+    out.end(top);
+    out.finish()
+}
+
+/// The exact size of [`bucket_document`]'s document.
+fn bucket_document_size(bucket: &NewBucket, trades: &[&Trade], customer: &CustomerValue) -> usize {
+    let wm: usize = watermarks(&bucket.wm)
+        .map(|(k, _)| element(k.as_str(), 8))
+        .sum();
+    let fields = element("_id", bson_out::string(&bucket.id))
+        + customer.size()
+        + element("count", 8)
+        + element("cap", 8)
+        + element("capBytes", 8)
+        + element("bytes", 8)
+        + element("history", history_size(trades))
+        + element("tickers", tickers_size(&bucket.tickers))
+        + element("prev", bson_out::string(&bucket.prev))
+        + element("wm", document(wm));
+    document(fields)
+}
+
+/// A bucket's `customerId`: an int64 or a string as the decoder makes
+/// them, written directly; any other type another tool stored in the
+/// bucket it is copied from, encoded by bson as before.
+enum CustomerValue<'a> {
+    Int64(i64),
+    Int32(i32),
+    Str(&'a str),
+    /// `{customerId: value}` as bson encodes it.
+    Other(RawDocumentBuf),
+}
+
+impl<'a> CustomerValue<'a> {
+    const NAME: &'static str = "customerId";
+
+    fn of(customer: &'a Bson) -> Self {
+        match customer {
+            Bson::Int64(i) => CustomerValue::Int64(*i),
+            Bson::Int32(i) => CustomerValue::Int32(*i),
+            Bson::String(s) => CustomerValue::Str(s),
+            other => {
+                // Only an embedded document with a NUL in a field name (or
+                // a regex with one) fails to re-encode, and this value was
+                // either decoded from BSON (which cannot hold such a name)
+                // or built from a customer id.
+                let value = RawBson::try_from(other.clone())
+                    .expect("a customer id taken from BSON re-encodes as BSON");
+                let mut element = RawDocumentBuf::new();
+                element.append(Self::NAME, value);
+                CustomerValue::Other(element)
+            }
+        }
+    }
+
+    /// The element's bytes (type, name, value).
+    fn size(&self) -> usize {
+        match self {
+            CustomerValue::Int64(_) => element(Self::NAME, 8),
+            CustomerValue::Int32(_) => element(Self::NAME, 4),
+            CustomerValue::Str(s) => element(Self::NAME, bson_out::string(s)),
+            CustomerValue::Other(d) => Self::element_of(d).len(),
+        }
+    }
+
+    fn write(&self, out: &mut BsonOut) {
+        match self {
+            CustomerValue::Int64(i) => out.int64(Self::NAME, *i),
+            CustomerValue::Int32(i) => out.int32(Self::NAME, *i),
+            CustomerValue::Str(s) => out.string(Self::NAME, s),
+            CustomerValue::Other(d) => out.element_bytes(Self::element_of(d)),
+        }
+    }
+
+    /// The one element of a one-element document: between the length and
+    /// the final NUL.
+    fn element_of(d: &RawDocumentBuf) -> &[u8] {
+        let bytes = d.as_bytes();
+        bytes.get(4..bytes.len() - 1).unwrap_or_default()
     }
 }
 
-/// The trades' history entries, copied as encoded bytes.
-fn history(trades: &[&Trade]) -> RawArrayBuf {
-    let mut history = RawArrayBuf::new();
-    for t in trades {
-        history.push(t.doc.clone());
+/// The watermarks we can name. A name is NUL-ended, and none of ours can
+/// hold a NUL: a watermark key is `Source::partition_key` of a Kafka topic
+/// (legal names are `[A-Za-z0-9._-]`) or a field name read back from a
+/// stored bucket (a BSON name, NUL-ended itself). Should one ever hold a
+/// NUL, it is left out rather than sent as a broken document (which the
+/// previous encoder refused with a panic): a missing watermark is safe, as
+/// its partition's events are then guarded by their keys alone.
+fn watermarks(wm: &BTreeMap<String, i64>) -> impl Iterator<Item = (&String, &i64)> {
+    wm.iter().filter(|(k, _)| nameable(k))
+}
+
+/// Whether `name` can be a BSON name: it holds no NUL.
+fn nameable(name: &str) -> bool {
+    !name.as_bytes().contains(&0)
+}
+
+/// The trades' history entries, copied as encoded bytes, as an array's
+/// elements.
+fn history(out: &mut BsonOut, trades: &[&Trade]) {
+    for (i, t) in trades.iter().enumerate() {
+        out.raw_document(i, &t.doc);
     }
-    history
+}
+
+/// The bytes of the array [`history`] writes.
+fn history_size(trades: &[&Trade]) -> usize {
+    bson_out::array(trades.iter().map(|t| t.doc.as_bytes().len()))
+}
+
+/// The tickers as an array's string elements.
+fn tickers(out: &mut BsonOut, tickers: &BTreeSet<String>) {
+    for (i, t) in tickers.iter().enumerate() {
+        out.string(i, t);
+    }
+}
+
+/// The bytes of the array [`tickers`] writes.
+fn tickers_size(tickers: &BTreeSet<String>) -> usize {
+    bson_out::array(tickers.iter().map(|t| bson_out::string(t)))
 }
 
 #[cfg(test)]

@@ -2,8 +2,9 @@
 //! a customer's newest bucket, the guarded fill updates, the bucket
 //! inserts, the reads behind `page` and `audit`). Beside it: `error` (what
 //! requests fail with), `layout` (indexes, `init`, sharding), `codec` (the
-//! stored document and our view of it) and `write` (a write command's
-//! write concern and size, and what its reply says).
+//! stored document and our view of it), `write` (a write command's bytes,
+//! write concern and size, and what its reply says) and `bson_out` (the
+//! BSON writer both write with: one buffer per document, sized up front).
 //!
 //! Fills go out as one raw `update` command with many statements (every
 //! server version has it; the driver's typed multi-statement API needs
@@ -28,9 +29,12 @@
 //! creates and checks that layout; each mode refuses a collection laid out
 //! for the other.
 
+mod bson_out;
 mod codec;
 mod error;
 mod layout;
+#[cfg(test)]
+mod oracle;
 mod write;
 
 pub use codec::{bucket_document, fill_statement, head_from_document};
@@ -40,14 +44,15 @@ pub use error::{
     DUPLICATE_KEY,
 };
 pub use layout::{layout_conflict, ShardState, SHARD_KEY_FIELD};
-use write::{chunk_by_size, insert_failure, parse_write_reply, write_concern, write_concern_doc};
+pub use write::{chunk_by_size, update_command};
+use write::{insert_failure, parse_write_reply, write_concern, write_concern_doc};
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::IntoFuture;
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use mongodb::bson::{doc, rawdoc, Document, RawArrayBuf, RawDocumentBuf};
+use mongodb::bson::{doc, Document, RawDocumentBuf};
 use mongodb::event::command::CommandEvent;
 use mongodb::event::EventHandler;
 use mongodb::options::{
@@ -365,19 +370,14 @@ impl BucketStore {
         statements: Vec<RawDocumentBuf>,
     ) -> Result<FillOutcome, StoreError> {
         let mut outcome = FillOutcome::default();
-        let mut base = 0;
-        for chunk in chunk_by_size(statements) {
-            let len = chunk.len();
-            let mut updates = RawArrayBuf::new();
-            for statement in chunk {
-                updates.push(statement);
-            }
-            let command = self.db.run_raw_command(rawdoc! {
-                "update": self.coll.name(),
-                "updates": updates,
-                "ordered": false,
-                "writeConcern": self.write_concern_doc.clone(),
-            });
+        for chunk in chunk_by_size(&statements) {
+            let (base, len) = (chunk.start, chunk.len());
+            let command = update_command(
+                self.coll.name(),
+                &statements[chunk],
+                &self.write_concern_doc,
+            );
+            let command = self.db.run_raw_command(command);
             let reply = bounded("update", self.operation_limit, command).await?;
             let part = parse_write_reply(&reply, len)?;
             outcome.matched += part.0;
@@ -385,7 +385,6 @@ impl BucketStore {
                 e.index += base;
                 e
             }));
-            base += len;
         }
         Ok(outcome)
     }

@@ -1,12 +1,15 @@
 //! What a write command carries and what its reply says: the write
-//! concern, fill statements cut to the command size limit, and the
-//! statement errors (or the unknown outcome) of an `update` or
-//! `insert_many` reply.
+//! concern, fill statements cut to the command size limit, the raw
+//! `update` command's bytes, and the statement errors (or the unknown
+//! outcome) of an `update` or `insert_many` reply.
 
-use mongodb::bson::{Bson, Document, RawDocumentBuf};
+use std::ops::Range;
+
+use mongodb::bson::{Bson, Document, RawDocument, RawDocumentBuf};
 use mongodb::error::{ErrorKind, WriteFailure};
 use mongodb::options::{Acknowledgment, WriteConcern};
 
+use super::bson_out::{self, document, element, BsonOut};
 use super::codec::{describe, stored_number};
 use super::error::{InsertOutcome, StatementError, StoreError, CLIENT_REFUSED};
 use crate::config::{Settings, WriteAcknowledgment};
@@ -148,23 +151,58 @@ fn malformed(what: String, sent: usize) -> StoreError {
     ))
 }
 
-pub(super) fn chunk_by_size(statements: Vec<RawDocumentBuf>) -> Vec<Vec<RawDocumentBuf>> {
+/// The statements cut into `update` commands of at most
+/// `MAX_STATEMENT_BYTES` of statements each (one larger goes alone), in
+/// order: the ranges of `statements` each command carries.
+pub fn chunk_by_size(statements: &[RawDocumentBuf]) -> Vec<Range<usize>> {
     let mut chunks = Vec::new();
-    let mut current = Vec::new();
+    let mut start = 0;
     let mut bytes = 0;
-    for s in statements {
+    for (i, s) in statements.iter().enumerate() {
         let size = s.as_bytes().len();
-        if !current.is_empty() && bytes + size > MAX_STATEMENT_BYTES {
-            chunks.push(std::mem::take(&mut current));
+        if i > start && bytes + size > MAX_STATEMENT_BYTES {
+            chunks.push(start..i);
+            start = i;
             bytes = 0;
         }
         bytes += size;
-        current.push(s);
     }
-    if !current.is_empty() {
-        chunks.push(current);
+    if start < statements.len() {
+        chunks.push(start..statements.len());
     }
     chunks
+}
+
+/// The raw `update` command of `statements`, unordered: `{update:
+/// <collection>, updates: [..], ordered: false, writeConcern: {..}}`. Each
+/// statement's bytes are copied once, into one buffer of the command's
+/// exact size (building `updates` as an array first copied them twice).
+pub fn update_command(
+    collection: &str,
+    statements: &[RawDocumentBuf],
+    write_concern: &RawDocument,
+) -> RawDocumentBuf {
+    let updates = bson_out::array(statements.iter().map(|s| s.as_bytes().len()));
+    let size = document(
+        element("update", bson_out::string(collection))
+            + element("updates", updates)
+            + element("ordered", 1)
+            + element("writeConcern", write_concern.as_bytes().len()),
+    );
+    let mut out = BsonOut::with_capacity(size);
+    let top = out.begin();
+    // A collection name holds no NUL (MongoDB refuses one), and were it
+    // to, a string value is length-delimited: the bytes stay well formed.
+    out.string("update", collection);
+    let array = out.array("updates");
+    for (i, s) in statements.iter().enumerate() {
+        out.raw_document(i, s);
+    }
+    out.end(array);
+    out.boolean("ordered", false);
+    out.raw_document("writeConcern", write_concern);
+    out.end(top);
+    out.finish()
 }
 
 #[cfg(test)]
@@ -235,16 +273,11 @@ mod tests {
         let statements: Vec<RawDocumentBuf> = (0..5)
             .map(|i| rawdoc! {"i": i, "pad": big.as_str()})
             .collect();
-        let chunks = chunk_by_size(statements);
-        assert_eq!(
-            chunks.iter().map(Vec::len).collect::<Vec<_>>(),
-            vec![2, 2, 1]
-        );
-        let order: Vec<i32> = chunks
-            .iter()
-            .flatten()
-            .map(|d| d.get_i32("i").unwrap())
-            .collect();
-        assert_eq!(order, vec![0, 1, 2, 3, 4]);
+        let chunks = chunk_by_size(&statements);
+        assert_eq!(chunks, vec![0..2, 2..4, 4..5]);
+        assert!(chunk_by_size(&[]).is_empty());
+        let huge = rawdoc! {"pad": "x".repeat(MAX_STATEMENT_BYTES + 1)};
+        let alone = [statements[0].clone(), huge, statements[1].clone()];
+        assert_eq!(chunk_by_size(&alone), vec![0..1, 1..2, 2..3]);
     }
 }
