@@ -412,6 +412,29 @@ impl Settings {
         mapping::validate(&self.kafka.topics, &self.mappings)
     }
 
+    /// `kafka.fetch_wait_max`: librdkafka's range, and well within a
+    /// request's time limit.
+    fn validate_fetch_wait(&self) -> Result<(), ConfigError> {
+        let k = &self.kafka;
+        // librdkafka's own range; below a millisecond an idle consumer
+        // would send fetches back to back.
+        if !(Duration::from_millis(1)..=Duration::from_secs(300)).contains(&k.fetch_wait_max) {
+            return Err(invalid("kafka.fetch_wait_max", "must be from 1ms to 5m"));
+        }
+        // A held fetch must end well within the request's time limit, or
+        // librdkafka times the fetch out and the requests queued behind it.
+        if k.fetch_wait_max + Duration::from_secs(1) > self.timeouts.kafka_request {
+            return Err(invalid(
+                "kafka.fetch_wait_max",
+                format!(
+                    "must be at least 1s below timeouts.kafka_request ({:?})",
+                    self.timeouts.kafka_request
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_kafka(&self) -> Result<(), ConfigError> {
         let k = &self.kafka;
         if k.brokers.trim().is_empty() {
@@ -441,22 +464,7 @@ impl Settings {
         if k.max_message_bytes == 0 {
             return Err(invalid("kafka.max_message_bytes", "must be positive"));
         }
-        // librdkafka's own range; below a millisecond an idle consumer
-        // would send fetches back to back.
-        if !(Duration::from_millis(1)..=Duration::from_secs(300)).contains(&k.fetch_wait_max) {
-            return Err(invalid("kafka.fetch_wait_max", "must be from 1ms to 5m"));
-        }
-        // A held fetch must end well within the request's time limit, or
-        // librdkafka times the fetch out and the requests queued behind it.
-        if k.fetch_wait_max + Duration::from_secs(1) > self.timeouts.kafka_request {
-            return Err(invalid(
-                "kafka.fetch_wait_max",
-                format!(
-                    "must be at least 1s below timeouts.kafka_request ({:?})",
-                    self.timeouts.kafka_request
-                ),
-            ));
-        }
+        self.validate_fetch_wait()?;
         // Each of these has one place, a setting of ours that other rules
         // and the docs rely on: an option would silently replace it.
         if let Some((option, setting)) = OWNED_OPTIONS
