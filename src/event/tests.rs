@@ -2,6 +2,9 @@ use super::*;
 use chrono::{DateTime, FixedOffset};
 use proptest::prelude::*;
 
+mod differential;
+mod oracle;
+
 fn src() -> Source {
     Source {
         topic: "trades".into(),
