@@ -250,6 +250,9 @@ pub(super) fn decimal_text<'a>(raw: &'a str, field: &str) -> Result<Cow<'a, str>
 /// Exactly into Decimal128: more than 34 significant digits, or an exponent
 /// out of range, is an error rather than a rounding.
 pub(super) fn exact_decimal(text: &str, field: &str) -> Result<Decimal128, Reject> {
+    if let Some(d) = plain_decimal128(text) {
+        return Ok(d);
+    }
     text.parse::<Decimal128>().map_err(|e| {
         field_err(
             field,
@@ -258,6 +261,69 @@ pub(super) fn exact_decimal(text: &str, field: &str) -> Result<Decimal128, Rejec
             ),
         )
     })
+}
+
+/// Decimal128's largest coefficient has 34 digits; its exponents run from
+/// -6176 to 6111, stored biased by 6176.
+const DECIMAL128_DIGITS: usize = 34;
+const DECIMAL128_EXPONENTS: std::ops::RangeInclusive<i32> = -6176..=6111;
+const DECIMAL128_BIAS: i32 = 6176;
+
+/// `text` (a JSON number) as the Decimal128 bson's parser makes of it, for
+/// the numbers that need neither rounding nor clamping: at most 34
+/// significant digits, an exponent in range (written with at most four
+/// digits). `None` leaves the rest, errors included, to that parser.
+///
+/// bson's parser goes through strings and bit vectors (a tenth of a
+/// trade's decode); this is the same value, packed directly: the sign in
+/// the top bit, the biased exponent in the next 14, the coefficient (below
+/// 2^113, so the short form) in the low 113, little-endian.
+pub(super) fn plain_decimal128(text: &str) -> Option<Decimal128> {
+    let (negative, unsigned) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
+        Some((m, e)) => (m, small_exponent(e)?),
+        None => (unsigned, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if int.is_empty() || frac.len() > DECIMAL128_BIAS as usize {
+        return None;
+    }
+    let mut coefficient: u128 = 0;
+    let mut digits = 0;
+    for b in int.bytes().chain(frac.bytes()) {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        // Leading zeros are not significant.
+        if coefficient == 0 && b == b'0' {
+            continue;
+        }
+        digits += 1;
+        if digits > DECIMAL128_DIGITS {
+            return None;
+        }
+        coefficient = coefficient * 10 + u128::from(b - b'0');
+    }
+    let exponent = exponent - frac.len() as i32;
+    if !DECIMAL128_EXPONENTS.contains(&exponent) {
+        return None;
+    }
+    let biased = (exponent + DECIMAL128_BIAS) as u128;
+    let bits = (u128::from(negative) << 127) | (biased << 113) | coefficient;
+    Some(Decimal128::from_bytes(bits.to_le_bytes()))
+}
+
+/// An exponent of one to four digits, with an optional sign.
+fn small_exponent(text: &str) -> Option<i32> {
+    let digits = text.strip_prefix(['+', '-']).unwrap_or(text);
+    if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let value: i32 = digits.parse().ok()?;
+    Some(if text.starts_with('-') { -value } else { value })
 }
 
 /// Whether the mantissa has a non-zero digit, so "-0.00" is zero, not negative.

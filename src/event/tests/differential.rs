@@ -535,3 +535,38 @@ fn the_payloads_generated_reach_every_outcome() {
         );
     }
 }
+
+/// Decimal texts of every shape the decimal parsers meet (as validated
+/// JSON numbers, and beyond): sign, leading zeros, fraction lengths up to
+/// past the exponent range, 30 to 40 digits, exponents of every size.
+fn decimal_text() -> BoxedStrategy<String> {
+    prop_oneof![
+        4 => "-?[0-9]{1,3}(\\.[0-9]{1,4})?",
+        4 => "-?(0|[1-9][0-9]{0,36})(\\.[0-9]{1,38})?([eE][+-]?[0-9]{1,6})?",
+        2 => "-?0{0,40}[0-9]{30,40}(\\.0{0,10})?([eE][+-]?[0-9]{1,5})?",
+        2 => "-?0\\.0{6100,6200}[1-9]{1,3}",
+        1 => "-?[0-9]{1,4}[eE][+-]?(6[01][0-9]{2}|617[0-9]|99999|32767|32768)",
+        1 => "[+-]?[0-9.eE+-]{0,12}",
+    ]
+    .boxed()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(20_000))]
+
+    /// The direct Decimal128 encoding is bson's parse of the same text,
+    /// byte for byte, and leaves to that parser every text it does not
+    /// take (so errors stay bson's, message included).
+    #[test]
+    fn decimals_encode_as_bson_parses_them(text in decimal_text()) {
+        use mongodb::bson::Decimal128;
+        let parsed = text.parse::<Decimal128>();
+        if let Some(d) = crate::event::values::plain_decimal128(&text) {
+            let bson = parsed.ok().map(|p| p.bytes());
+            prop_assert_eq!(Some(d.bytes()), bson, "{}", text);
+        }
+        let new = crate::event::values::exact_decimal(&text, "price");
+        let old = oracle::exact_decimal(&text, "price");
+        prop_assert_eq!(new.map(|d| d.bytes()), old.map(|d| d.bytes()));
+    }
+}

@@ -506,7 +506,7 @@ fn decimal_text(raw: &str, field: &str) -> Result<String, Reject> {
 
 /// Exactly into Decimal128: more than 34 significant digits, or an exponent
 /// out of range, is an error rather than a rounding.
-fn exact_decimal(text: &str, field: &str) -> Result<Decimal128, Reject> {
+pub(super) fn exact_decimal(text: &str, field: &str) -> Result<Decimal128, Reject> {
     text.parse::<Decimal128>().map_err(|e| {
         field_err(
             field,
