@@ -66,10 +66,17 @@ fn trade_id_type_err() -> Reject {
 }
 
 fn string_trade_id(s: &str) -> Result<TradeId, Reject> {
-    if s.is_empty() || s.chars().count() > 128 {
+    // ASCII (the usual id) has a character per byte, and its control
+    // characters are Unicode's below U+0080.
+    let (chars, control) = if s.is_ascii() {
+        (s.len(), s.bytes().any(|b| b.is_ascii_control()))
+    } else {
+        (s.chars().count(), s.chars().any(char::is_control))
+    };
+    if s.is_empty() || chars > 128 {
         return Err(field_err("tradeId", "must have 1 to 128 characters"));
     }
-    if s.chars().any(char::is_control) {
+    if control {
         return Err(field_err("tradeId", "must not contain control characters"));
     }
     let mut key = String::with_capacity(2 + s.len());
