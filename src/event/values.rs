@@ -15,8 +15,8 @@ use mongodb::bson::Decimal128;
 use super::*;
 
 /// The text of the JSON string `raw`, or `None` if `raw` is not one. One
-/// without escapes (every byte printable and neither `"` nor `\\`) is its
-/// own text between the quotes, borrowed; serde_json reads the rest.
+/// without escapes (no control byte, no `"` or `\` inside) is its own
+/// text between the quotes, borrowed; serde_json reads the rest.
 pub(super) fn json_string(raw: &str) -> Option<Cow<'_, str>> {
     if let Some(text) = raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
         if text.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
@@ -26,8 +26,9 @@ pub(super) fn json_string(raw: &str) -> Option<Cow<'_, str>> {
     serde_json::from_str::<String>(raw).ok().map(Cow::Owned)
 }
 
-/// A trade id as read: its key (`t:<id>`, the text of an integer id) and,
-/// for an integer id, the integer, which is what is stored.
+/// A trade id as read: its key, `t:` and the id as text (built once; a
+/// text id is stored as the key's text after `t:`), and for an integer id
+/// the integer, which is what is stored then.
 pub(super) struct TradeId {
     pub(super) key: String,
     pub(super) int: Option<i64>,
