@@ -186,21 +186,24 @@ fn validate_customer(id: &CustomerId) -> Result<(), Reject> {
     match id {
         CustomerId::Int(i) if *i < 0 => Err(field_err("customerId", "must not be negative")),
         CustomerId::Int(_) => Ok(()),
-        CustomerId::Str(s) => {
-            if s.is_empty() || s.len() > 64 {
-                return Err(field_err("customerId", "must have 1 to 64 characters"));
-            }
-            if !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
-                // `_` in particular: see `bucket::id` for why a bucket `_id`
-                // depends on it.
-                return Err(field_err(
-                    "customerId",
-                    "may only contain A-Z, a-z, 0-9 and '-'",
-                ));
-            }
-            Ok(())
-        }
+        CustomerId::Str(s) => validate_customer_text(s),
     }
+}
+
+/// The rules of a text customer id, checked before it is owned.
+fn validate_customer_text(s: &str) -> Result<(), Reject> {
+    if s.is_empty() || s.len() > 64 {
+        return Err(field_err("customerId", "must have 1 to 64 characters"));
+    }
+    if !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        // `_` in particular: see `bucket::id` for why a bucket `_id`
+        // depends on it.
+        return Err(field_err(
+            "customerId",
+            "may only contain A-Z, a-z, 0-9 and '-'",
+        ));
+    }
+    Ok(())
 }
 
 /// Where a message came from; the fallback identity of a trade without
@@ -310,7 +313,13 @@ impl Identity<'_> {
             Identity::Read(s) => ("o", s),
             Identity::ReplayOf(s) => ("r", s),
         };
-        format!("{ns}:{}/{}/{}", s.topic, s.partition, s.offset)
+        use std::fmt::Write;
+        // Sized once: namespace, separators, partition and offset take at
+        // most 35 bytes ("o:", "/" twice, 11 and 20 digits with signs).
+        let mut key = String::with_capacity(s.topic.len() + 35);
+        // Writing to a String cannot fail.
+        let _ = write!(key, "{ns}:{}/{}/{}", s.topic, s.partition, s.offset);
+        key
     }
 }
 
@@ -322,8 +331,8 @@ pub fn decode_as(
 ) -> Result<Trade, Reject> {
     let text = payload_text(payload, max_bytes)?;
     let mut fields = TradeFields::default();
-    for (name, raw) in &parse_object(text)? {
-        fields.read(name, raw.get())?;
+    for (name, raw) in parse_object(text)? {
+        fields.read(&name, raw.get())?;
     }
     fields.into_trade(identity)
 }

@@ -3,14 +3,10 @@
 //! other fields kept as they are, after the checks that keep a bucket
 //! storable (field names, nesting depth, the entry's size).
 
-use std::collections::HashSet;
-use std::fmt;
+use mongodb::bson::spec::ElementType;
+use mongodb::bson::{Bson, Decimal128, Document, RawBson, RawDocumentBuf};
 
-use mongodb::bson::{self, Bson, Decimal128, Document, RawBson, RawDocumentBuf};
-use serde::de::{Deserializer, MapAccess, Visitor};
-use serde::Deserialize;
-use serde_json::value::RawValue;
-
+use super::pointer::{self, LevelError, Members};
 use super::values::*;
 use super::*;
 
@@ -34,13 +30,13 @@ pub(super) fn payload_text(payload: Option<&[u8]>, max_bytes: usize) -> Result<&
 /// The fields of one trade as they are read, each checked on its own.
 #[derive(Default)]
 pub(super) struct TradeFields {
-    pub(super) trade_id: Option<(Bson, String)>,
+    pub(super) trade_id: Option<TradeId>,
     pub(super) customer: Option<CustomerId>,
-    pub(super) side: Option<String>,
+    pub(super) side: Option<&'static str>,
     pub(super) ticker: Option<String>,
-    pub(super) qty: Option<Bson>,
+    pub(super) qty: Option<Qty>,
     pub(super) price: Option<Decimal128>,
-    pub(super) currency: Option<String>,
+    pub(super) currency: Option<Currency>,
     pub(super) date: Option<(i64, Option<i32>)>,
     /// Fields of no meaning to us, kept as they are.
     pub(super) extras: Document,
@@ -91,37 +87,21 @@ impl TradeFields {
         let ticker = self.ticker.ok_or_else(|| missing("ticker"))?;
         let qty = self.qty.ok_or_else(|| missing("qty"))?;
         let (date_ms, offset_minutes) = self.date.ok_or_else(|| missing("date"))?;
-        let key = match &self.trade_id {
-            Some((_, text)) => format!("t:{text}"),
-            None => identity.key(),
+        let (key, id) = match self.trade_id {
+            Some(TradeId { key, int }) => (key, Some(int)),
+            None => (identity.key(), None),
         };
-        // Encoded field by field, straight into the bytes the writer sends:
-        // a `Document` first (a map of boxed values) and then its encoding
-        // cost an allocation per field and a second pass, per event. Every
-        // name appended is one of ours or an extra's, which
-        // `check_field_name` keeps free of NUL (the one thing `append`
-        // refuses, by panicking).
-        let mut doc = RawDocumentBuf::new();
-        if let Some((value, _)) = self.trade_id {
-            doc.append("tradeId", raw_value(value)?);
-        }
-        doc.append("type", side);
-        doc.append("ticker", ticker.as_str());
-        doc.append("qty", raw_value(qty)?);
-        if let Some(p) = self.price {
-            doc.append("price", p);
-        }
-        if let Some(c) = self.currency {
-            doc.append("currency", c);
-        }
-        doc.append("date", bson::DateTime::from_millis(date_ms));
-        if let Some(minutes) = offset_minutes {
-            doc.append("offsetMinutes", minutes);
-        }
-        for (name, value) in self.extras {
-            doc.append(name, raw_value(value)?);
-        }
-        doc.append("key", key.as_str());
+        let head = Head {
+            id,
+            side,
+            ticker: &ticker,
+            qty,
+            price: self.price,
+            currency: self.currency,
+            date_ms,
+            offset_minutes,
+        };
+        let doc = entry(&head, self.extras, &key)?;
         check_entry_size(&doc)?;
         Ok(Trade {
             key,
@@ -129,6 +109,161 @@ impl TradeFields {
             ticker,
             date_ms,
             doc,
+        })
+    }
+}
+
+/// The trade's own fields of a history entry, in the order stored.
+struct Head<'a> {
+    /// `Some(Some(i))`: an integer trade id; `Some(None)`: a text one (the
+    /// key's text after `t:`); `None`: none.
+    id: Option<Option<i64>>,
+    side: &'static str,
+    ticker: &'a str,
+    qty: Qty,
+    price: Option<Decimal128>,
+    currency: Option<Currency>,
+    date_ms: i64,
+    offset_minutes: Option<i32>,
+}
+
+impl Head<'_> {
+    /// The size of the entry these fields and `key` make without extras,
+    /// so that its buffer is allocated once, at its size.
+    fn len(&self, key: &str) -> usize {
+        let element = |name: &str, size: usize| 1 + name.len() + 1 + size;
+        let string = |name: &str, value: &str| element(name, 4 + value.len() + 1);
+        let id = match self.id {
+            Some(Some(_)) => element("tradeId", 8),
+            Some(None) => string("tradeId", id_text(key)),
+            None => 0,
+        };
+        let qty = match self.qty {
+            Qty::Int(_) => 8,
+            Qty::Decimal(_) => 16,
+        };
+        4 + id
+            + string("type", self.side)
+            + string("ticker", self.ticker)
+            + element("qty", qty)
+            + self.price.map_or(0, |_| element("price", 16))
+            + self.currency.map_or(0, |c| string("currency", c.as_str()))
+            + element("date", 8)
+            + self
+                .offset_minutes
+                .map_or(0, |_| element("offsetMinutes", 4))
+            + string("key", key)
+            + 1
+    }
+
+    fn write(&self, w: &mut EntryWriter, key: &str) {
+        match self.id {
+            Some(Some(i)) => w.int64("tradeId", i),
+            Some(None) => w.string("tradeId", id_text(key)),
+            None => {}
+        }
+        w.string("type", self.side);
+        w.string("ticker", self.ticker);
+        match self.qty {
+            Qty::Int(i) => w.int64("qty", i),
+            Qty::Decimal(d) => w.decimal128("qty", d),
+        }
+        if let Some(p) = self.price {
+            w.decimal128("price", p);
+        }
+        if let Some(c) = self.currency {
+            w.string("currency", c.as_str());
+        }
+        w.datetime("date", self.date_ms);
+        if let Some(minutes) = self.offset_minutes {
+            w.int32("offsetMinutes", minutes);
+        }
+    }
+}
+
+/// A text trade id, as its key (`t:<id>`) holds it.
+fn id_text(key: &str) -> &str {
+    key.get(2..).unwrap_or_default()
+}
+
+/// The history entry: the trade's fields, its extras, its key. Encoded
+/// field by field, straight into the bytes the writer sends: a `Document`
+/// first (a map of boxed values) and then its encoding cost an allocation
+/// per field and a second pass, per event.
+fn entry(head: &Head<'_>, extras: Document, key: &str) -> Result<RawDocumentBuf, Reject> {
+    let mut w = EntryWriter::with_capacity(head.len(key));
+    head.write(&mut w, key);
+    if extras.is_empty() {
+        w.string("key", key);
+        return w.finish();
+    }
+    // Every name appended is an extra's, which `check_field_name` keeps
+    // free of NUL (the one thing `append` refuses, by panicking).
+    let mut doc = w.finish()?;
+    for (name, value) in extras {
+        doc.append(name, raw_value(value)?);
+    }
+    doc.append("key", key);
+    Ok(doc)
+}
+
+/// A BSON document written element by element, byte for byte as
+/// `RawDocumentBuf::append` writes them, without its per-element checks
+/// and growth: the names are ours (no NUL) and the buffer is sized first.
+struct EntryWriter(Vec<u8>);
+
+impl EntryWriter {
+    fn with_capacity(len: usize) -> Self {
+        let mut bytes = Vec::with_capacity(len);
+        // The length, filled in by `finish`.
+        bytes.extend_from_slice(&[0; 4]);
+        EntryWriter(bytes)
+    }
+
+    fn element(&mut self, kind: ElementType, name: &str) {
+        self.0.push(kind as u8);
+        self.0.extend_from_slice(name.as_bytes());
+        self.0.push(0);
+    }
+
+    fn string(&mut self, name: &str, value: &str) {
+        self.element(ElementType::String, name);
+        self.0
+            .extend_from_slice(&(value.len() as i32 + 1).to_le_bytes());
+        self.0.extend_from_slice(value.as_bytes());
+        self.0.push(0);
+    }
+
+    fn int32(&mut self, name: &str, value: i32) {
+        self.element(ElementType::Int32, name);
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+
+    fn int64(&mut self, name: &str, value: i64) {
+        self.element(ElementType::Int64, name);
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+
+    fn decimal128(&mut self, name: &str, value: Decimal128) {
+        self.element(ElementType::Decimal128, name);
+        self.0.extend_from_slice(&value.bytes());
+    }
+
+    fn datetime(&mut self, name: &str, ms: i64) {
+        self.element(ElementType::DateTime, name);
+        self.0.extend_from_slice(&ms.to_le_bytes());
+    }
+
+    /// The document: its trailing NUL and its length written.
+    fn finish(mut self) -> Result<RawDocumentBuf, Reject> {
+        self.0.push(0);
+        let len = (self.0.len() as i32).to_le_bytes();
+        self.0[..4].copy_from_slice(&len);
+        RawDocumentBuf::from_bytes(self.0).map_err(|e| {
+            Reject::new(
+                RejectKind::InvalidField,
+                format!("the trade cannot be encoded as BSON: {e}"),
+            )
         })
     }
 }
@@ -164,49 +299,19 @@ pub(super) fn check_entry_size(doc: &RawDocumentBuf) -> Result<(), Reject> {
 }
 
 /// The top-level object as (name, raw JSON) pairs in input order, refusing
-/// duplicate names.
-pub(super) fn parse_object(text: &str) -> Result<Vec<(String, &RawValue)>, Reject> {
-    struct Fields<'a>(Vec<(String, &'a RawValue)>);
-
-    impl<'de> Deserialize<'de> for Fields<'de> {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl<'de> Visitor<'de> for V {
-                type Value = Fields<'de>;
-                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                    f.write_str("a JSON object")
-                }
-                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                    let mut out = Vec::new();
-                    let mut seen = HashSet::new();
-                    while let Some(name) = map.next_key::<String>()? {
-                        if !seen.insert(name.clone()) {
-                            return Err(serde::de::Error::custom(format!(
-                                "duplicate field {name:?}"
-                            )));
-                        }
-                        out.push((name, map.next_value::<&'de RawValue>()?));
-                    }
-                    Ok(Fields(out))
-                }
-            }
-            d.deserialize_map(V)
-        }
-    }
-
-    // A valid JSON value that is not an object reaches the visitor as the
-    // wrong type (a data error); anything unparseable is a syntax/EOF error.
-    match serde_json::from_str::<Fields<'_>>(text) {
-        Ok(f) => Ok(f.0),
-        Err(e) if e.is_data() && e.to_string().starts_with("duplicate field") => {
-            Err(Reject::new(RejectKind::DuplicateField, e.to_string()))
-        }
-        Err(e) if e.is_data() => Err(Reject::new(
+/// duplicate names. Names are borrowed from the payload unless escaped, and
+/// duplicates are found without hashing in objects of a trade's size
+/// (`pointer::object`, which a mapping's levels are read by too).
+pub(super) fn parse_object(text: &str) -> Result<Members<'_>, Reject> {
+    pointer::object(text).map_err(|e| match e {
+        LevelError::Duplicate(m) => Reject::new(RejectKind::DuplicateField, m),
+        // A valid JSON value that is not an object.
+        LevelError::NotObject(m) => Reject::new(
             RejectKind::NotObject,
-            format!("payload must be a JSON object ({e})"),
-        )),
-        Err(e) => Err(Reject::new(RejectKind::NotJson, e.to_string())),
-    }
+            format!("payload must be a JSON object ({m})"),
+        ),
+        LevelError::Syntax(m) => Reject::new(RejectKind::NotJson, m),
+    })
 }
 
 /// MongoDB cannot take `$`-prefixed or dotted names inside an update's

@@ -408,7 +408,7 @@ impl Mapping {
     }
 
     /// `type` by the value map, or the default rule without one.
-    fn side(&self, raw: &str) -> Result<String, Reject> {
+    fn side(&self, raw: &str) -> Result<&'static str, Reject> {
         let Some((spellings, unknown)) = &self.side else {
             return parse_side(raw);
         };
@@ -426,11 +426,11 @@ impl Mapping {
             return Err(field_err("type", "must be a string or a number"));
         };
         if let Some((_, side)) = spellings.iter().find(|(s, _)| **s == *text) {
-            return Ok((*side).to_string());
+            return Ok(*side);
         }
         match unknown {
-            UnknownSide::Buy => Ok("buy".to_string()),
-            UnknownSide::Sell => Ok("sell".to_string()),
+            UnknownSide::Buy => Ok("buy"),
+            UnknownSide::Sell => Ok("sell"),
             UnknownSide::Reject => {
                 let shown: String = text.chars().take(64).collect();
                 Err(field_err(

@@ -1,9 +1,10 @@
-//! One level of a JSON document at a time, for a mapping's pointers: an
-//! object as (name, raw value) pairs in input order, an array as raw
-//! values. Values stay their JSON text (`RawValue`), so a number read
-//! three objects deep is still parsed exactly into Decimal128; names are
-//! borrowed from the payload unless they hold escapes, so stepping into an
-//! object costs no allocation per name.
+//! One level of a JSON document at a time, for a mapping's pointers (and
+//! the default schema's top level, `decode::parse_object`): an object as
+//! (name, raw value) pairs in input order, an array as raw values. Values
+//! stay their JSON text (`RawValue`), so a number read three objects deep
+//! is still parsed exactly into Decimal128; names are borrowed from the
+//! payload unless they hold escapes, so stepping into an object costs no
+//! allocation per name.
 
 use std::borrow::Cow;
 use std::collections::HashSet;
@@ -72,7 +73,8 @@ impl<'de> Visitor<'de> for MembersSeed {
         f.write_str("a JSON object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut out: Members<'de> = Vec::new();
+        // Room for a trade's fields at once, rather than growing twice.
+        let mut out: Members<'de> = Vec::with_capacity(LINEAR_DUPLICATE_CHECK);
         let mut seen: Option<HashSet<Cow<'de, str>>> = None;
         while let Some(Name(name)) = map.next_key::<Name<'de>>()? {
             let duplicate = match &mut seen {

@@ -2,6 +2,9 @@ use super::*;
 use chrono::{DateTime, FixedOffset};
 use proptest::prelude::*;
 
+mod differential;
+mod oracle;
+
 fn src() -> Source {
     Source {
         topic: "trades".into(),
@@ -476,4 +479,23 @@ fn a_customer_id_of_digits_sent_as_text_decodes_as_the_number() {
         customer(huge),
         CustomerId::Str("92233720368547758070".into())
     );
+}
+
+/// The entry's buffer is allocated at its size: no growth while it is
+/// written, and no slack kept in every batch's memory.
+#[test]
+fn the_history_entry_is_allocated_at_its_size() {
+    let trades = [
+        with("venue", None),
+        with("tradeId", None),
+        with("tradeId", Some("9001")),
+        with("price", None).replace(r#""USD""#, "null"),
+        with("qty", Some(r#""1.5""#)),
+        with("date", Some(r#""2023-10-26T11:47:03.434-04:00""#)),
+        with("ticker", Some(r#""BRK.B""#)),
+    ];
+    for json in trades {
+        let bytes = ok(&json).doc.into_bytes();
+        assert_eq!(bytes.capacity(), bytes.len(), "{json}");
+    }
 }

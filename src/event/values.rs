@@ -1,38 +1,129 @@
 //! The trade's own fields, each parsed from its raw JSON text: ids, side,
 //! ticker, currency, exact decimals (never through a binary float) and
-//! dates.
+//! dates. Every trade passes through here, so the common spellings are
+//! read without a `serde_json::Value` or a `String` per field: a string
+//! without escapes is borrowed from the payload, and a plain decimal is
+//! encoded into Decimal128 directly; anything else takes the general path,
+//! whose outcome (and message) the fast one must equal.
+
+use std::borrow::Cow;
+use std::fmt::Write;
 
 use chrono::{DateTime, FixedOffset};
-use mongodb::bson::{Bson, Decimal128};
+use mongodb::bson::Decimal128;
 
 use super::*;
 
-pub(super) fn parse_trade_id(raw: &str) -> Result<(Bson, String), Reject> {
-    match serde_json::from_str::<serde_json::Value>(raw) {
-        Ok(serde_json::Value::String(s)) => {
-            if s.is_empty() || s.chars().count() > 128 {
-                return Err(field_err("tradeId", "must have 1 to 128 characters"));
-            }
-            if s.chars().any(char::is_control) {
-                return Err(field_err("tradeId", "must not contain control characters"));
-            }
-            Ok((Bson::String(s.clone()), s))
+/// The text of the JSON string `raw`, or `None` if `raw` is not one. One
+/// without escapes (no control byte, no `"` or `\` inside) is its own
+/// text between the quotes, borrowed; serde_json reads the rest.
+pub(super) fn json_string(raw: &str) -> Option<Cow<'_, str>> {
+    if let Some(text) = raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+        if text.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+            return Some(Cow::Borrowed(text));
         }
+    }
+    serde_json::from_str::<String>(raw).ok().map(Cow::Owned)
+}
+
+/// A trade id as read: its key, `t:` and the id as text (built once; a
+/// text id is stored as the key's text after `t:`), and for an integer id
+/// the integer, which is what is stored then.
+pub(super) struct TradeId {
+    pub(super) key: String,
+    pub(super) int: Option<i64>,
+}
+
+/// A string id of 1 to 128 characters without control characters, or an
+/// integer within 0..=i64::MAX.
+pub(super) fn parse_trade_id(raw: &str) -> Result<TradeId, Reject> {
+    if raw.starts_with('"') {
+        let s = json_string(raw).ok_or_else(trade_id_type_err)?;
+        return string_trade_id(&s);
+    }
+    // Digits alone (not `-0`, which serde_json reads as a float).
+    if is_json_integer(raw) && !raw.starts_with('-') {
+        if let Ok(i) = raw.parse::<i64>() {
+            return Ok(int_trade_id(i));
+        }
+    }
+    parse_trade_id_value(raw)
+}
+
+/// What is neither a string nor a plain Int64, read as serde_json reads it.
+fn parse_trade_id_value(raw: &str) -> Result<TradeId, Reject> {
+    match serde_json::from_str::<serde_json::Value>(raw) {
+        Ok(serde_json::Value::String(s)) => string_trade_id(&s),
         Ok(serde_json::Value::Number(n)) => match n.as_i64() {
-            Some(i) if i >= 0 && is_json_integer(raw) => Ok((Bson::Int64(i), i.to_string())),
-            _ => Err(field_err(
-                "tradeId",
-                "must be a string or a non-negative integer",
-            )),
+            Some(i) if i >= 0 && is_json_integer(raw) => Ok(int_trade_id(i)),
+            _ => Err(trade_id_type_err()),
         },
-        _ => Err(field_err(
-            "tradeId",
-            "must be a string or a non-negative integer",
-        )),
+        _ => Err(trade_id_type_err()),
     }
 }
 
+fn trade_id_type_err() -> Reject {
+    field_err("tradeId", "must be a string or a non-negative integer")
+}
+
+fn string_trade_id(s: &str) -> Result<TradeId, Reject> {
+    // ASCII (the usual id) has a character per byte, and its control
+    // characters are Unicode's below U+0080.
+    let (chars, control) = if s.is_ascii() {
+        (s.len(), s.bytes().any(|b| b.is_ascii_control()))
+    } else {
+        (s.chars().count(), s.chars().any(char::is_control))
+    };
+    if s.is_empty() || chars > 128 {
+        return Err(field_err("tradeId", "must have 1 to 128 characters"));
+    }
+    if control {
+        return Err(field_err("tradeId", "must not contain control characters"));
+    }
+    let mut key = String::with_capacity(2 + s.len());
+    key.push_str("t:");
+    key.push_str(s);
+    Ok(TradeId { key, int: None })
+}
+
+fn int_trade_id(i: i64) -> TradeId {
+    let mut key = String::with_capacity(22);
+    // Writing to a String cannot fail.
+    let _ = write!(key, "t:{i}");
+    TradeId { key, int: Some(i) }
+}
+
 pub(super) fn parse_customer(raw: &str) -> Result<CustomerId, Reject> {
+    if raw.starts_with('"') {
+        let s = json_string(raw)
+            .ok_or_else(|| field_err("customerId", "must be a non-negative integer or a string"))?;
+        return customer_text(s);
+    }
+    // Digits alone (no `-0`, no fraction): an Int64 or out of range.
+    if raw.bytes().all(|b| b.is_ascii_digit()) && is_json_integer(raw) {
+        if let Ok(i) = raw.parse::<i64>() {
+            return Ok(CustomerId::Int(i));
+        }
+    }
+    parse_customer_value(raw)
+}
+
+/// A text customer id, checked and in its canonical form.
+fn customer_text(s: Cow<'_, str>) -> Result<CustomerId, Reject> {
+    validate_customer_text(&s)?;
+    // One customer, one identity, in every mode: `7` and `"7"` share one
+    // `_id` prefix, so they must be one key to the writer too, or one batch
+    // plans two "customers" against one bucket (docs/design.md, "One
+    // spelling of a customer").
+    Ok(match integer_text(&s) {
+        Some(i) => CustomerId::Int(i),
+        None => CustomerId::Str(s.into_owned()),
+    })
+}
+
+/// What is neither a string nor a plain Int64: read as serde_json reads
+/// it, for its message (negative, out of range, not an integer).
+fn parse_customer_value(raw: &str) -> Result<CustomerId, Reject> {
     let id = match serde_json::from_str::<serde_json::Value>(raw) {
         Ok(serde_json::Value::String(s)) => CustomerId::Str(s),
         Ok(serde_json::Value::Number(n)) if is_json_integer(raw) => match n.as_i64() {
@@ -52,24 +143,19 @@ pub(super) fn parse_customer(raw: &str) -> Result<CustomerId, Reject> {
         }
     };
     validate_customer(&id)?;
-    // One customer, one identity, in every mode: `7` and `"7"` share one
-    // `_id` prefix, so they must be one key to the writer too, or one batch
-    // plans two "customers" against one bucket (docs/design.md, "One
-    // spelling of a customer").
     Ok(id.canonical())
 }
 
-pub(super) fn parse_side(raw: &str) -> Result<String, Reject> {
-    match serde_json::from_str::<String>(raw).as_deref() {
-        Ok("buy") => Ok("buy".to_string()),
-        Ok("sell") => Ok("sell".to_string()),
+pub(super) fn parse_side(raw: &str) -> Result<&'static str, Reject> {
+    match json_string(raw).as_deref() {
+        Some("buy") => Ok("buy"),
+        Some("sell") => Ok("sell"),
         _ => Err(field_err("type", "must be \"buy\" or \"sell\"")),
     }
 }
 
 pub(super) fn parse_ticker(raw: &str) -> Result<String, Reject> {
-    let s =
-        serde_json::from_str::<String>(raw).map_err(|_| field_err("ticker", "must be a string"))?;
+    let s = json_string(raw).ok_or_else(|| field_err("ticker", "must be a string"))?;
     if s.is_empty()
         || s.len() > MAX_TICKER_LEN
         || !s
@@ -81,19 +167,29 @@ pub(super) fn parse_ticker(raw: &str) -> Result<String, Reject> {
             "must be 1 to 16 of A-Z, 0-9, '.' and '-'",
         ));
     }
-    Ok(s)
+    Ok(s.into_owned())
 }
 
-pub(super) fn parse_currency(raw: &str) -> Result<String, Reject> {
-    let s = serde_json::from_str::<String>(raw)
-        .map_err(|_| field_err("currency", "must be a string"))?;
-    if s.len() != 3 || !s.bytes().all(|b| b.is_ascii_uppercase()) {
-        return Err(field_err(
+/// An ISO 4217 code, three ASCII capitals, held without an allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Currency([u8; 3]);
+
+impl Currency {
+    pub(super) fn as_str(&self) -> &str {
+        // Three ASCII capitals, checked when read: always UTF-8.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+pub(super) fn parse_currency(raw: &str) -> Result<Currency, Reject> {
+    let s = json_string(raw).ok_or_else(|| field_err("currency", "must be a string"))?;
+    match <[u8; 3]>::try_from(s.as_bytes()) {
+        Ok(code) if code.iter().all(u8::is_ascii_uppercase) => Ok(Currency(code)),
+        _ => Err(field_err(
             "currency",
             "must be three letters A-Z (ISO 4217)",
-        ));
+        )),
     }
-    Ok(s)
 }
 
 /// JSON number grammar (RFC 8259): what both `price` strings and numbers
@@ -144,12 +240,11 @@ pub(super) fn is_json_integer(raw: &str) -> bool {
 }
 
 /// The decimal text of a number given as a JSON number or a JSON string.
-pub(super) fn decimal_text(raw: &str, field: &str) -> Result<String, Reject> {
+pub(super) fn decimal_text<'a>(raw: &'a str, field: &str) -> Result<Cow<'a, str>, Reject> {
     let text = if raw.starts_with('"') {
-        serde_json::from_str::<String>(raw)
-            .map_err(|_| field_err(field, "is not a valid string"))?
+        json_string(raw).ok_or_else(|| field_err(field, "is not a valid string"))?
     } else {
-        raw.to_string()
+        Cow::Borrowed(raw)
     };
     if !is_json_number(&text) {
         return Err(field_err(
@@ -163,6 +258,9 @@ pub(super) fn decimal_text(raw: &str, field: &str) -> Result<String, Reject> {
 /// Exactly into Decimal128: more than 34 significant digits, or an exponent
 /// out of range, is an error rather than a rounding.
 pub(super) fn exact_decimal(text: &str, field: &str) -> Result<Decimal128, Reject> {
+    if let Some(d) = plain_decimal128(text) {
+        return Ok(d);
+    }
     text.parse::<Decimal128>().map_err(|e| {
         field_err(
             field,
@@ -171,6 +269,69 @@ pub(super) fn exact_decimal(text: &str, field: &str) -> Result<Decimal128, Rejec
             ),
         )
     })
+}
+
+/// Decimal128's largest coefficient has 34 digits; its exponents run from
+/// -6176 to 6111, stored biased by 6176.
+const DECIMAL128_DIGITS: usize = 34;
+const DECIMAL128_EXPONENTS: std::ops::RangeInclusive<i32> = -6176..=6111;
+const DECIMAL128_BIAS: i32 = 6176;
+
+/// `text` (a JSON number) as the Decimal128 bson's parser makes of it, for
+/// the numbers that need neither rounding nor clamping: at most 34
+/// significant digits, an exponent in range (written with at most four
+/// digits). `None` leaves the rest, errors included, to that parser.
+///
+/// bson's parser goes through strings and bit vectors (a tenth of a
+/// trade's decode); this is the same value, packed directly: the sign in
+/// the top bit, the biased exponent in the next 14, the coefficient (below
+/// 2^113, so the short form) in the low 113, little-endian.
+pub(super) fn plain_decimal128(text: &str) -> Option<Decimal128> {
+    let (negative, unsigned) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
+        Some((m, e)) => (m, small_exponent(e)?),
+        None => (unsigned, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if int.is_empty() || frac.len() > DECIMAL128_BIAS as usize {
+        return None;
+    }
+    let mut coefficient: u128 = 0;
+    let mut digits = 0;
+    for b in int.bytes().chain(frac.bytes()) {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        // Leading zeros are not significant.
+        if coefficient == 0 && b == b'0' {
+            continue;
+        }
+        digits += 1;
+        if digits > DECIMAL128_DIGITS {
+            return None;
+        }
+        coefficient = coefficient * 10 + u128::from(b - b'0');
+    }
+    let exponent = exponent - frac.len() as i32;
+    if !DECIMAL128_EXPONENTS.contains(&exponent) {
+        return None;
+    }
+    let biased = (exponent + DECIMAL128_BIAS) as u128;
+    let bits = (u128::from(negative) << 127) | (biased << 113) | coefficient;
+    Some(Decimal128::from_bytes(bits.to_le_bytes()))
+}
+
+/// An exponent of one to four digits, with an optional sign.
+fn small_exponent(text: &str) -> Option<i32> {
+    let digits = text.strip_prefix(['+', '-']).unwrap_or(text);
+    if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let value: i32 = digits.parse().ok()?;
+    Some(if text.starts_with('-') { -value } else { value })
 }
 
 /// Whether the mantissa has a non-zero digit, so "-0.00" is zero, not negative.
@@ -187,9 +348,16 @@ pub(super) fn parse_price(raw: &str) -> Result<Decimal128, Reject> {
     exact_decimal(&text, "price")
 }
 
+/// A quantity as stored: an integer as Int64, a fraction as Decimal128.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Qty {
+    Int(i64),
+    Decimal(Decimal128),
+}
+
 /// `qty`: an integer is stored as Int64, a fraction as Decimal128; either
 /// way exact, and strictly positive.
-pub(super) fn parse_qty(raw: &str) -> Result<Bson, Reject> {
+pub(super) fn parse_qty(raw: &str) -> Result<Qty, Reject> {
     let text = decimal_text(raw, "qty")?;
     if text.starts_with('-') || !mantissa_nonzero(&text) {
         return Err(field_err("qty", "must be positive"));
@@ -197,10 +365,10 @@ pub(super) fn parse_qty(raw: &str) -> Result<Bson, Reject> {
     if is_json_integer(&text) {
         return text
             .parse::<i64>()
-            .map(Bson::Int64)
+            .map(Qty::Int)
             .map_err(|_| field_err("qty", "integer is out of range"));
     }
-    exact_decimal(&text, "qty").map(Bson::Decimal128)
+    exact_decimal(&text, "qty").map(Qty::Decimal)
 }
 
 /// RFC 3339 with `Z` or an offset, or epoch milliseconds. Returns UTC
@@ -214,8 +382,7 @@ pub(super) fn parse_date(raw: &str) -> Result<(i64, Option<i32>), Reject> {
         )
     };
     let (ms, offset) = if raw.starts_with('"') {
-        let s = serde_json::from_str::<String>(raw)
-            .map_err(|_| field_err("date", "is not a valid string"))?;
+        let s = json_string(raw).ok_or_else(|| field_err("date", "is not a valid string"))?;
         let dt: DateTime<FixedOffset> = DateTime::parse_from_rfc3339(&s).map_err(|e| {
             field_err(
                 "date",
