@@ -56,9 +56,10 @@ pub(super) fn parse_date_by(raw: &str, rule: &DateRule) -> Result<(i64, Option<i
     Ok((ms, offset))
 }
 
-/// The string a text format reads.
-fn text(raw: &str) -> Result<String, Reject> {
-    serde_json::from_str::<String>(raw).map_err(|_| field_err("date", "must be a string"))
+/// The string a text format reads, borrowed from the payload unless it
+/// has escapes.
+fn text(raw: &str) -> Result<std::borrow::Cow<'_, str>, Reject> {
+    super::values::json_string(raw).ok_or_else(|| field_err("date", "must be a string"))
 }
 
 /// The instant, and its offset as the default rule keeps it: only when
@@ -81,7 +82,7 @@ fn epoch_millis(raw: &str, per_second: i64) -> Result<i64, Reject> {
     let digits = if raw.starts_with('"') {
         text(raw)?
     } else {
-        raw.to_string()
+        std::borrow::Cow::Borrowed(raw)
     };
     let unit = match per_second {
         1 => "seconds",
