@@ -231,6 +231,9 @@ lines += [
     "- plain consumer µs/event (the consumer process's own CPU, librdkafka's defaults, reading"
     " the same backlog and only looking at each payload): " + us(plain_cpu)
     + ("" if worker_plain_ratio is None else f"; the worker's ratio to it: {worker_plain_ratio:.2f} ×"),
+    "- the database ceiling's own client (the MongoDB driver sending the final buckets, already encoded,"
+    " in the bench's process) µs/trade: " + us(r["database_ceiling"].get("client_cpu_per_million"))
+    + " (with the plain consumer's, the CPU a worker cannot avoid: reading the records and sending the trades)",
     "- co-located bound: " + ("–" if bound is None else
       f"{cores} cores ÷ ({us(kafka_cpu)} µs broker + {us(db_cpu)} µs database) = {rate(bound)} events/s;"
       f" tradebucket reached {tb / bound:.2f} × of it"),

@@ -61,9 +61,10 @@ pub struct Prefix(String);
 
 impl Prefix {
     pub fn of(customer: &CustomerId) -> Prefix {
-        let text = customer.id_text();
+        let mut text = customer.id_text();
         debug_assert!(!text.contains(SEPARATOR), "customer ids cannot hold '_'");
-        Prefix(format!("{text}{SEPARATOR}"))
+        text.push(SEPARATOR);
+        Prefix(text)
     }
 
     /// The prefix of a stored `_id`: everything up to its first `_`; `None`

@@ -230,6 +230,23 @@ pub fn plan_customer(
         plan.fill = Some(fill);
     }
 
+    if !rest.is_empty() {
+        head = open_buckets(customer, head, rest, limits, &mut plan);
+    }
+    plan.after = head;
+    plan
+}
+
+/// Opens the buckets `events` go to after `head` (the newest bucket, full
+/// or absent), in `plan`; returns the newest bucket once they are in.
+/// Events that cannot be placed are recorded there with why.
+fn open_buckets(
+    customer: &CustomerId,
+    mut head: Option<BucketHead>,
+    mut rest: &[Event<'_>],
+    limits: Limits,
+    plan: &mut CustomerPlan,
+) -> Option<BucketHead> {
     let prefix = Prefix::of(customer);
     while !rest.is_empty() {
         let at = match next_position(&prefix, head.as_ref(), rest[0].trade.epoch_seconds()) {
@@ -245,9 +262,7 @@ pub fn plan_customer(
         plan.new_buckets.push(bucket);
         head = Some(after);
     }
-
-    plan.after = head;
-    plan
+    head
 }
 
 /// Records in `plan` the events already stored (at or below the watermark,
