@@ -3,6 +3,9 @@
 //! seconds range, and a non-UTC offset kept in minutes east of UTC
 //! (`offsetMinutes`), so one instant is stored alike whoever sent it.
 
+use std::sync::LazyLock;
+
+use chrono::format::{Item, Parsed, StrftimeItems};
 use chrono::{DateTime, FixedOffset, NaiveDateTime, TimeZone};
 
 use super::values::{is_json_integer, parse_date};
@@ -20,8 +23,7 @@ pub(super) fn parse_date_by(raw: &str, rule: &DateRule) -> Result<(i64, Option<i
         }
         DateRule::Epoch(per_second) => (epoch_millis(raw, *per_second)?, None),
         DateRule::Fix => {
-            let s = text(raw)?;
-            let dt = NaiveDateTime::parse_from_str(&s, "%Y%m%d-%H:%M:%S%.f").map_err(|e| {
+            let dt = fix_timestamp(&text(raw)?).map_err(|e| {
                 field_err(
                     "date",
                     &format!("must be a FIX UTCTimestamp, YYYYMMDD-HH:MM:SS[.sss] ({e})"),
@@ -54,6 +56,17 @@ pub(super) fn parse_date_by(raw: &str, rule: &DateRule) -> Result<(i64, Option<i
         ));
     }
     Ok((ms, offset))
+}
+
+/// A FIX `UTCTimestamp` (`%Y%m%d-%H:%M:%S%.f`), as
+/// `NaiveDateTime::parse_from_str` reads it, with the format's items
+/// parsed once rather than for every event (a third of the parse).
+fn fix_timestamp(s: &str) -> chrono::ParseResult<NaiveDateTime> {
+    static ITEMS: LazyLock<Vec<Item<'static>>> =
+        LazyLock::new(|| StrftimeItems::new("%Y%m%d-%H:%M:%S%.f").collect());
+    let mut parsed = Parsed::new();
+    chrono::format::parse(&mut parsed, s, ITEMS.iter())?;
+    parsed.to_naive_datetime_with_offset(0)
 }
 
 /// The string a text format reads, borrowed from the payload unless it

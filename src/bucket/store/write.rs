@@ -181,7 +181,9 @@ pub fn chunk_by_size(statements: &[RawDocumentBuf]) -> Vec<Range<usize>> {
     let mut bytes = 0;
     for (i, s) in statements.iter().enumerate() {
         let size = s.as_bytes().len();
-        if i > start && bytes + size > budget {
+        // Cut before a statement that would pass the hard limit, or once
+        // the share is reached (so N shares make N commands, not N + 1).
+        if i > start && (bytes + size > MAX_STATEMENT_BYTES || bytes >= budget) {
             chunks.push(start..i);
             start = i;
             bytes = 0;
