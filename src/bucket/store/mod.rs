@@ -44,14 +44,14 @@ pub use error::{
     DUPLICATE_KEY,
 };
 pub use layout::{layout_conflict, ShardState, SHARD_KEY_FIELD};
-pub use write::{chunk_by_size, update_command, FILL_COMMANDS_IN_FLIGHT};
+pub use write::{chunk_by_size, update_command};
 use write::{insert_failure, parse_write_reply, write_concern, write_concern_doc};
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::IntoFuture;
 use std::time::Duration;
 
-use futures::{stream, StreamExt, TryStreamExt};
+use futures::{StreamExt, TryStreamExt};
 use mongodb::bson::{doc, Document, RawDocumentBuf};
 use mongodb::event::command::CommandEvent;
 use mongodb::event::EventHandler;
@@ -369,43 +369,24 @@ impl BucketStore {
         &self,
         statements: Vec<RawDocumentBuf>,
     ) -> Result<FillOutcome, StoreError> {
-        // The commands' replies come back in order (`buffered`), each
-        // naming its statements by their index within it. On an error the
-        // commands still in flight are dropped: their outcome is unknown,
-        // as after a timeout, and the writer's retry re-reads and
-        // re-plans every guarded statement either way.
-        let parts: Vec<(usize, _)> = stream::iter(chunk_by_size(&statements))
-            .map(|chunk| self.update(&statements, chunk))
-            .buffered(FILL_COMMANDS_IN_FLIGHT)
-            .try_collect()
-            .await?;
         let mut outcome = FillOutcome::default();
-        for (base, (matched, errors)) in parts {
-            outcome.matched += matched;
-            outcome.errors.extend(errors.into_iter().map(|mut e| {
+        for chunk in chunk_by_size(&statements) {
+            let (base, len) = (chunk.start, chunk.len());
+            let command = update_command(
+                self.coll.name(),
+                &statements[chunk],
+                &self.write_concern_doc,
+            );
+            let command = self.db.run_raw_command(command);
+            let reply = bounded("update", self.operation_limit, command).await?;
+            let part = parse_write_reply(&reply, len)?;
+            outcome.matched += part.0;
+            outcome.errors.extend(part.1.into_iter().map(|mut e| {
                 e.index += base;
                 e
             }));
         }
         Ok(outcome)
-    }
-
-    /// One `update` command of `statements[chunk]`: where it starts, and
-    /// its reply.
-    async fn update(
-        &self,
-        statements: &[RawDocumentBuf],
-        chunk: std::ops::Range<usize>,
-    ) -> Result<(usize, (u64, Vec<StatementError>)), StoreError> {
-        let (base, len) = (chunk.start, chunk.len());
-        let command = update_command(
-            self.coll.name(),
-            &statements[chunk],
-            &self.write_concern_doc,
-        );
-        let command = self.db.run_raw_command(command);
-        let reply = bounded("update", self.operation_limit, command).await?;
-        Ok((base, parse_write_reply(&reply, len)?))
     }
 
     /// Inserts new buckets. `ordered` stops at the first refusal, which is

@@ -22,17 +22,6 @@ use crate::config::{Settings, WriteAcknowledgment};
 /// far under the 100,000-statement limit.
 const MAX_STATEMENT_BYTES: usize = 8 * 1024 * 1024;
 
-/// `update` commands of one batch's fills in flight at once. The fills are
-/// of different customers (unordered), so nothing orders the commands; one
-/// command at a time kept the database working one request at a time (on
-/// the benchmark's co-located server, one core of two) while the batch
-/// waited.
-pub const FILL_COMMANDS_IN_FLIGHT: usize = 2;
-
-/// Fills smaller than this in all go as one command: splitting a light
-/// load's few statements would only add requests.
-const SPLIT_ABOVE_BYTES: usize = 256 * 1024;
-
 /// What an `insert_many` of `sent` documents that failed says: the
 /// refused documents, or an error (its outcome unknown) to retry.
 pub(super) fn insert_failure(
@@ -162,28 +151,16 @@ fn malformed(what: String, sent: usize) -> StoreError {
     ))
 }
 
-/// The statements cut into `update` commands, in order: the ranges of
-/// `statements` each command carries. Each holds at most
-/// `MAX_STATEMENT_BYTES` of statements (one larger goes alone); above
-/// `SPLIT_ABOVE_BYTES` in all they are cut into at least
-/// `FILL_COMMANDS_IN_FLIGHT` commands of about equal size, so that many
-/// can be written at once.
+/// The statements cut into `update` commands of at most
+/// `MAX_STATEMENT_BYTES` of statements each (one larger goes alone), in
+/// order: the ranges of `statements` each command carries.
 pub fn chunk_by_size(statements: &[RawDocumentBuf]) -> Vec<Range<usize>> {
-    let total: usize = statements.iter().map(|s| s.as_bytes().len()).sum();
-    let budget = if total > SPLIT_ABOVE_BYTES {
-        total.div_ceil(FILL_COMMANDS_IN_FLIGHT)
-    } else {
-        total
-    }
-    .min(MAX_STATEMENT_BYTES);
     let mut chunks = Vec::new();
     let mut start = 0;
     let mut bytes = 0;
     for (i, s) in statements.iter().enumerate() {
         let size = s.as_bytes().len();
-        // Cut before a statement that would pass the hard limit, or once
-        // the share is reached (so N shares make N commands, not N + 1).
-        if i > start && (bytes + size > MAX_STATEMENT_BYTES || bytes >= budget) {
+        if i > start && bytes + size > MAX_STATEMENT_BYTES {
             chunks.push(start..i);
             start = i;
             bytes = 0;
@@ -302,25 +279,5 @@ mod tests {
         let huge = rawdoc! {"pad": "x".repeat(MAX_STATEMENT_BYTES + 1)};
         let alone = [statements[0].clone(), huge, statements[1].clone()];
         assert_eq!(chunk_by_size(&alone), vec![0..1, 1..2, 2..3]);
-    }
-
-    /// Fills of a batch under a backlog go as commands written at once;
-    /// a light load's stay one command.
-    #[test]
-    fn a_large_batch_is_split_for_commands_in_flight_and_a_small_one_is_not() {
-        let pad = "x".repeat(1000);
-        let statements = |n: usize| -> Vec<RawDocumentBuf> {
-            (0..n)
-                .map(|i| rawdoc! {"i": i as i64, "pad": pad.as_str()})
-                .collect()
-        };
-        let small = statements(100); // about 100 KiB
-        assert_eq!(chunk_by_size(&small), vec![0..100]);
-        let large = statements(1000); // about 1 MiB
-        let chunks = chunk_by_size(&large);
-        assert_eq!(chunks.len(), FILL_COMMANDS_IN_FLIGHT);
-        assert_eq!(chunks.first().map(|c| c.start), Some(0));
-        assert_eq!(chunks.last().map(|c| c.end), Some(1000));
-        assert!(chunks.windows(2).all(|w| w[0].end == w[1].start));
     }
 }
