@@ -375,7 +375,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         match r {
             Ok(record) => {
                 if let Some(ts) = record.timestamp_ms {
-                    self.in_kafka.observe(seconds_since(ts));
+                    self.in_kafka.observe(seconds_between(ts, now_ms()));
                 }
                 self.tracker.consumed(&record.tp, record.offset);
                 self.open.bytes += record.size();
@@ -597,9 +597,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// Metrics and the debug line of a handled batch.
     fn observe(&self, done: &Done) {
         let (batch, counts, stats) = (&done.records, &done.counts, &done.stats);
-        let m = &self.metrics;
+        let (m, now) = (&self.metrics, now_ms());
         for ts in batch.iter().filter_map(|r| r.timestamp_ms) {
-            m.end_to_end_delay.observe(seconds_since(ts));
+            m.end_to_end_delay.observe(seconds_between(ts, now));
         }
         m.events_written.inc_by(counts.written);
         m.skipped(SkipReason::AlreadyApplied).inc_by(counts.applied);
@@ -625,10 +625,10 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     }
 }
 
-/// Seconds from a Kafka timestamp (milliseconds since the epoch) to now;
-/// 0 for a timestamp in the future (the producer's clock is ahead).
-fn seconds_since(timestamp_ms: i64) -> f64 {
-    ((now_ms() as i64 - timestamp_ms).max(0) as f64) / 1000.0
+/// Seconds from a Kafka timestamp to `now` (both milliseconds since the
+/// epoch); 0 for a timestamp in the future (the producer's clock is ahead).
+fn seconds_between(timestamp_ms: i64, now: u64) -> f64 {
+    ((now as i64 - timestamp_ms).max(0) as f64) / 1000.0
 }
 
 /// The write stage's result, or never while it is idle.
