@@ -173,12 +173,48 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings.timeouts.liveness_stall,
         shutdown.clone(),
     ));
-    let result = match Pipeline::build(settings, metrics, health, &shutdown).await {
-        Ok(Some(p)) => p.run(shutdown.clone()).await.map_err(Into::into),
-        Ok(None) => Ok(()),
-        Err(e) => Err(e.into()),
-    };
+    let result = on_own_thread(settings, metrics, health, shutdown.clone()).await;
     shutdown.cancel();
     let _ = http.await;
     result
+}
+
+/// Builds and runs the pipeline on a thread of its own with a
+/// single-threaded runtime, and waits for it.
+///
+/// Why: the pipeline's work is one task (the loop, with the write stage
+/// inside it), and on a multi-threaded runtime every MongoDB reply and
+/// timer reached it through another thread's I/O driver, a wake-up and a
+/// context switch each time: a quarter of the worker's CPU went to the
+/// kernel's scheduler (docs/benchmarks.md, "The runtime"). On one thread
+/// the loop drives its own sockets and timers. The HTTP endpoints stay on
+/// the caller's runtime, so `/healthz` and `/metrics` answer even while
+/// the loop blocks in a synchronous commit.
+async fn on_own_thread(
+    settings: Settings,
+    metrics: Metrics,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (done, result) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("pipeline".into())
+        .spawn(move || {
+            let result = runtime.block_on(async {
+                match Pipeline::build(settings, metrics, health, &shutdown).await? {
+                    Some(p) => p.run(shutdown).await,
+                    None => Ok(()),
+                }
+            });
+            let _ = done.send(result);
+        })?;
+    match result.await {
+        Ok(result) => result.map_err(Into::into),
+        Err(_) => {
+            anyhow::bail!("the pipeline thread ended without a result (a panic; see the log)")
+        }
+    }
 }

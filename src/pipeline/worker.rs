@@ -306,8 +306,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         // Dropping the consumer closes it, and that blocks: librdkafka
         // leaves the group and runs the revoke callback, whose commit is
         // synchronous. On a blocking thread, so the runtime's other tasks
-        // (the HTTP endpoints; in tests, another worker of the same group,
-        // which the close may be waiting for) run meanwhile.
+        // (the watchers, the MongoDB driver's; in tests, another worker of
+        // the same group, which the close may be waiting for) run meanwhile.
         let _ = tokio::task::spawn_blocking(move || drop(self)).await;
         end
     }
