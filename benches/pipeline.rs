@@ -78,6 +78,12 @@ struct Args {
     /// Skip the second set (quicker runs while optimising).
     #[arg(long)]
     no_second_set: bool,
+    /// Sample the first set's worker with `perf record -e cpu-clock`
+    /// (Debian's linux-perf) and keep `perf report`'s per-symbol table in
+    /// `perf.worker.txt`, which report.py sorts by library: where the
+    /// worker's own CPU goes, outside the product and in it.
+    #[arg(long)]
+    profile: bool,
     /// Where results.json and timeline.csv go.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -380,7 +386,8 @@ async fn worker_runs(
     target: &Target,
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<(WorkerRun, Option<WorkerRun>)> {
-    let first = run_worker(target, args.events, args.events, "first", samples).await?;
+    let profile = args.profile.then(|| args.out.join("perf.worker"));
+    let first = run_worker(target, args.events, args.events, "first", samples, profile).await?;
     eprintln!(
         "bench: tradebucket {:.0} events/s, peak RSS {:.1} MiB, CPU-s per million {}",
         first.events_per_second, first.peak_rss_mib, first.cpu_per_million
@@ -390,7 +397,15 @@ async fn worker_runs(
     }
     let more = produce_options(args, args.events, args.events, 0, &target.topic);
     cli::produce(&target.settings(), &more, false).await?;
-    let run = run_worker(target, 2 * args.events, args.events, "second", samples).await?;
+    let run = run_worker(
+        target,
+        2 * args.events,
+        args.events,
+        "second",
+        samples,
+        None,
+    )
+    .await?;
     let run = WorkerRun {
         events: args.events,
         events_per_second: args.events as f64 / run.seconds,
@@ -800,6 +815,7 @@ async fn run_worker(
     new_events: u64,
     phase: &'static str,
     samples: &mut Vec<Sample>,
+    profile: Option<PathBuf>,
 ) -> anyhow::Result<WorkerRun> {
     let port = free_port();
     let t = target
@@ -811,6 +827,7 @@ async fn run_worker(
     let cpu_before = cpu.snapshot(None);
     let started = Instant::now();
     let mut child = t.spawn_worker();
+    let profiler = profile.map(|out| Profiler::attach(child.id(), out));
     let store = BucketStore::connect(&s).await?;
     let progress = Progress {
         metrics_url: format!("http://127.0.0.1:{port}/metrics"),
@@ -824,6 +841,9 @@ async fn run_worker(
         .await?;
     let seconds = started.elapsed().as_secs_f64();
     let cpu_after = cpu.snapshot(Some(child.id()));
+    if let Some(p) = profiler {
+        p.finish()?;
+    }
     let stored = stored_trades(&store).await?;
     anyhow::ensure!(
         stored == expected_total,
@@ -839,6 +859,46 @@ async fn run_worker(
         peak_rss_mib,
         cpu_per_million: cpu_before.per_million(&cpu_after, new_events),
     })
+}
+
+/// `perf record` sampling one process (`--profile`).
+struct Profiler {
+    child: std::process::Child,
+    out: PathBuf,
+}
+
+impl Profiler {
+    /// Samples on the cpu-clock (a software event, so it works where
+    /// hardware counters are not exposed, as in this host's VM) at 999 Hz,
+    /// without call graphs: a release build has no frame pointers, and the
+    /// question is only which library each sample is in.
+    fn attach(pid: u32, out: PathBuf) -> Profiler {
+        let child = std::process::Command::new("perf")
+            .args(["record", "-q", "-e", "cpu-clock", "-F", "999", "-p"])
+            .arg(pid.to_string())
+            .arg("-o")
+            .arg(out.with_extension("data"))
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("perf record (apt-get install linux-perf) for --profile");
+        Profiler { child, out }
+    }
+
+    /// Stops the sampling and writes `perf report`'s table of every
+    /// symbol, self time only, as text beside the data.
+    fn finish(mut self) -> anyhow::Result<()> {
+        let stopped = testkit::process::send_signal(self.child.id(), testkit::process::SIGINT);
+        anyhow::ensure!(stopped, "cannot stop perf record");
+        self.child.wait()?;
+        let report = std::process::Command::new("perf")
+            .args(["report", "--stdio", "--no-children", "--sort", "dso,sym"])
+            .args(["--percent-limit", "0", "-i"])
+            .arg(self.out.with_extension("data"))
+            .output()?;
+        anyhow::ensure!(report.status.success(), "perf report failed");
+        std::fs::write(self.out.with_extension("txt"), report.stdout)?;
+        Ok(())
+    }
 }
 
 /// A running worker's progress, watched by [`run_worker`].

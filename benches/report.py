@@ -6,7 +6,7 @@ benches/pipeline.rs wrote (scripts/bench calls this after the run).
 
 FLAGS is the command line the run was made with (shown in the document).
 """
-import csv, json, sys
+import csv, json, os, re, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -65,6 +65,74 @@ broker_ratio = ratio(tb_cpu.get("broker"), kafka_cpu)
 plain = r.get("plain_consumer")
 plain_cpu = cpu(plain, "consumer") if plain else None
 worker_plain_ratio = ratio(tb_cpu.get("worker"), plain_cpu)
+# Where a sample of the worker's profile belongs, first match wins:
+# (component, test on (dso, kind, symbol)). Rust symbols go by their first
+# crate that is not core/alloc/std, so `drop_in_place<tradebucket::..>` is
+# the product's and `<Vec<T> as ..>` of std stays std's.
+STD_CRATES = {"core", "alloc", "std", "hashbrown", "foldhash"}
+C_KAFKA = ("rd_", "thrd_", "cnd_", "mtx_", "tss_", "ZSTD", "LZ4", "crc32c", "snappy", "inflate",
+           "deflate", "adler32", "crc32", "sasl_", "SSL_", "EVP_", "BIO_", "CRYPTO_")
+
+def rust_crate(sym):
+    # A path's first segment only: after the start, `<`, `&`, `*`, `(`,
+    # `,` or a space (so `core::hash::sip` gives `core`, not `sip`).
+    crates = re.findall(r"(?:^|[<\s&*(,])([A-Za-z_][A-Za-z0-9_]*)::", sym)
+    own = [c for c in crates if c not in STD_CRATES]
+    return own[0] if own else ("std" if crates else None)
+
+def in_libc(dso):
+    return not dso.startswith(("tradebucket", "[")) and ".so" in dso
+
+COMPONENTS = [
+    ("the kernel: system calls, the scheduler, page faults", lambda d, k, sym: k == "k"),
+    ("the vDSO clock (`clock_gettime`)", lambda d, k, sym: d == "[vdso]"),
+    ("the allocator: glibc's malloc and free, and Rust's calls into them", lambda d, k, sym: (
+        in_libc(d) and any(w in sym for w in ("malloc", "free", "calloc", "realloc", "_int_",
+                                              "tcache", "unlink_chunk")))
+     or rust_crate(sym) == "__rustc"),
+    ("glibc's memory copies and compares", lambda d, k, sym: in_libc(d) and sym.startswith(
+        ("__mem", "__str", "memcpy", "memmove", "memset", "memcmp", "__wmem"))),
+    ("glibc: locks, threads, system-call wrappers", lambda d, k, sym: in_libc(d)),
+    ("librdkafka (C) and the rdkafka crate", lambda d, k, sym: sym.startswith(C_KAFKA)
+     or rust_crate(sym) in ("rdkafka", "rdkafka_sys")),
+    ("the MongoDB driver and bson", lambda d, k, sym: rust_crate(sym) in ("mongodb", "bson")),
+    ("tokio", lambda d, k, sym: rust_crate(sym) in ("tokio", "mio")),
+    ("serde_json (the decode's parsing)", lambda d, k, sym: rust_crate(sym) == "serde_json"),
+    ("tradebucket's own code", lambda d, k, sym: rust_crate(sym) == "tradebucket"),
+    ("prometheus (the worker's metrics)", lambda d, k, sym: rust_crate(sym) == "prometheus"),
+    ("Rust's std, core, hashbrown (generic, not attributed)", lambda d, k, sym: rust_crate(sym) == "std"),
+    ("other (other crates, unresolved addresses)", lambda d, k, sym: True),
+]
+
+def worker_profile(path):
+    """The share of each component in `perf report`'s per-symbol table of
+    the first set's worker (`--profile`), or None without one."""
+    if not os.path.exists(path):
+        return None
+    shares = {name: 0.0 for name, _ in COMPONENTS}
+    pattern = re.compile(r"^\s*([\d.]+)%\s+(\S+)\s+\[(.)\]\s+(.*)$")
+    for line in open(path):
+        hit = pattern.match(line)
+        if hit:
+            dso, kind, sym = hit[2], hit[3], hit[4].strip()
+            name = next(n for n, test in COMPONENTS if test(dso, kind, sym))
+            shares[name] += float(hit[1])
+    total = sum(shares.values()) or 1.0
+    return {name: share / total for name, share in shares.items()}
+
+def worker_profile_lines(path, worker_us):
+    profile = worker_profile(path)
+    if not profile or not worker_us:
+        return []
+    out = ["", "The first set's worker by library (`--profile`: `perf record -e cpu-clock` at 999 Hz",
+           "over its whole life; each symbol's own samples, sorted by the library it is in), as a share",
+           f"of its samples and of its {us(worker_us)} µs per event:", "",
+           "| where | share of samples | µs per event |", "|---|---:|---:|"]
+    for name, share in profile.items():
+        if share >= 0.0005:
+            out.append(f"| {name} | {share:.1%} | {share * worker_us:.2f} |")
+    return out
+
 def target(name, measured, ok):
     return (name, measured, None if ok is None else bool(ok))
 targets = [
@@ -239,6 +307,10 @@ lines += [
       f" tradebucket reached {tb / bound:.2f} × of it"),
     "- the ceiling collection has the product's indexes (checked against the worker's): "
     + ", ".join(f"`{k}`" for k in r["database_ceiling"].get("indexes", [])),
+]
+lines += worker_profile_lines(os.path.join(os.path.dirname(results_path), "perf.worker.txt"),
+                              tb_cpu.get("worker"))
+lines += [
     "",
     "## Delay",
     "",

@@ -25,7 +25,7 @@ pub enum Log {
 
 /// `kill -SIG pid` through the `kill` command, to avoid a libc dependency
 /// for one call.
-fn send_signal(pid: u32, sig: i32) -> bool {
+pub fn send_signal(pid: u32, sig: i32) -> bool {
     Command::new("kill")
         .arg(format!("-{sig}"))
         .arg(pid.to_string())
