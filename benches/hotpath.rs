@@ -720,6 +720,50 @@ fn decode_rounds(
     (meter, last.expect("at least one round"))
 }
 
+// ---------------------------------------------------------------------
+// The libraries' least per event (issue #29's "2.5 × a plain consumer"):
+// serde_json's derive into borrowed fields, nothing else. Every worker
+// that reads these trades with serde_json spends at least this before it
+// checks, converts or stores a field (the product's decode does all of
+// that, and writes the BSON entry, in its own stage above).
+
+/// A trade as `produce` sends it, borrowed from the payload. Its fields
+/// are only parsed: that is the work measured.
+#[allow(dead_code)]
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LeastTrade<'a> {
+    trade_id: &'a str,
+    customer_id: u64,
+    #[serde(rename = "type")]
+    side: &'a str,
+    ticker: &'a str,
+    qty: i64,
+    price: &'a str,
+    currency: &'a str,
+    date: i64,
+}
+
+#[inline(never)]
+fn stage_least(wire: &[Wire]) -> anyhow::Result<Vec<u64>> {
+    wire.iter()
+        .map(|w| {
+            let t: LeastTrade = serde_json::from_slice(&w.payload)?;
+            Ok(std::hint::black_box(t).customer_id)
+        })
+        .collect()
+}
+
+/// [`stage_least`] over the batch `rounds` times.
+fn library_floor(wire: &[Wire], rounds: usize) -> anyhow::Result<Meter> {
+    let mut meter = Meter::default();
+    for _ in 0..rounds.max(1) {
+        let customers = meter.run(wire.len(), || stage_least(wire))?;
+        anyhow::ensure!(customers.len() == wire.len(), "a trade was lost");
+    }
+    Ok(meter)
+}
+
 /// The default and the mapped decode of the same batch, interleaved
 /// round by round so both see the same machine; checks that both store
 /// the same entries.
@@ -802,6 +846,7 @@ fn main() -> anyhow::Result<()> {
     }
     let payload_bytes = first.iter().map(|w| w.payload.len()).sum::<usize>() / first.len();
     let mapped = mapped_decode(&first, args.mapped_rounds)?;
+    let floor = library_floor(&first, args.mapped_rounds)?;
     let report = Report {
         args: &args,
         batch,
@@ -812,6 +857,7 @@ fn main() -> anyhow::Result<()> {
         entry_bytes,
         load: [load_before, load_average()],
         mapped: Some(&mapped),
+        floor: Some(&floor),
     };
     report.print();
     report.write_json()
@@ -861,6 +907,8 @@ struct Report<'a> {
     load: [f64; 2],
     /// The default and the mapped decode of the same trades.
     mapped: Option<&'a (Meter, Meter)>,
+    /// The parse floor ([`stage_least`]).
+    floor: Option<&'a Meter>,
 }
 
 impl Report<'_> {
@@ -902,6 +950,15 @@ impl Report<'_> {
         println!("{:<14} {total:>10.0}   (intake + decode + write + free; write plans and encodes itself)", "worker path");
         self.print_sent();
         self.print_mapped();
+        if let Some(f) = self.floor {
+            println!(
+                "\nthe parse floor (serde_json's derive into borrowed fields, nothing else; {} rounds): \
+                 {:.0} ns, {:.2} allocs per event",
+                f.ns_per_event.len(),
+                f.median(),
+                f.per_event(f.counts.allocs)
+            );
+        }
     }
 
     /// Issue #28's bound: a mapped decode at most 1.2 × the default one.
@@ -982,6 +1039,7 @@ impl Report<'_> {
                 "mapped_fix_style": m.json(),
                 "ratio_median": m.median() / d.median(),
             })),
+            "library_floor": self.floor.map(Meter::json),
         });
         if let Some(dir) = self.args.json.parent() {
             std::fs::create_dir_all(dir)?;
