@@ -877,7 +877,7 @@ impl Profiler {
             .args(["record", "-q", "-e", "cpu-clock", "-F", "999", "-p"])
             .arg(pid.to_string())
             .arg("-o")
-            .arg(out.with_extension("data"))
+            .arg(format!("{}.data", out.display()))
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("perf record (apt-get install linux-perf) for --profile");
@@ -893,10 +893,10 @@ impl Profiler {
         let report = std::process::Command::new("perf")
             .args(["report", "--stdio", "--no-children", "--sort", "dso,sym"])
             .args(["--percent-limit", "0", "-i"])
-            .arg(self.out.with_extension("data"))
+            .arg(format!("{}.data", self.out.display()))
             .output()?;
         anyhow::ensure!(report.status.success(), "perf report failed");
-        std::fs::write(self.out.with_extension("txt"), report.stdout)?;
+        std::fs::write(format!("{}.txt", self.out.display()), report.stdout)?;
         Ok(())
     }
 }

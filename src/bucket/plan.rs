@@ -275,7 +275,8 @@ fn classify<'a>(
     plan: &mut CustomerPlan,
 ) -> Vec<Event<'a>> {
     let mut accepted: Vec<Event<'a>> = Vec::with_capacity(events.len());
-    let mut seen: HashSet<&str> = HashSet::new();
+    // foldhash, as `KeySet` and for its reason: every event's key goes in.
+    let mut seen: HashSet<&str, foldhash::fast::RandomState> = HashSet::default();
     for ev in events {
         let applied =
             !known.not_stored.contains(&ev.trade.key) && head.is_some_and(|h| h.covers(ev.source));

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
+use prometheus::local::LocalHistogram;
 use prometheus::Histogram;
 use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
@@ -275,7 +276,10 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                     writing = None;
                     self.finish(*stage, done);
                 }
-                Wake::Received(r) => self.received(r),
+                Wake::Received(r) => {
+                    let in_kafka = self.in_kafka.local();
+                    self.received(r, now_ms(), &in_kafka);
+                }
                 Wake::DrainOver => {
                     tracing::warn!(
                         drain_timeout = ?self.settings.shutdown.drain_timeout,
@@ -344,16 +348,22 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// Takes what the consumer has queued, without waiting, while the open
     /// batch may grow; closes it when full, or when the stage is free and
     /// nothing more is queued (or the linger bound passed).
+    ///
+    /// The wall clock is read once per call, not per record: a call takes
+    /// at most what librdkafka has prefetched (`queued.max.messages`), a
+    /// millisecond or two, below the `in_kafka` histogram's resolution.
     fn fill(&mut self) {
+        let (now, in_kafka) = (now_ms(), self.in_kafka.local());
         while self.may_take() && self.phase.running() {
             match self.intake.recv().now_or_never() {
-                Some(r) => self.received(r),
+                Some(r) => self.received(r, now, &in_kafka),
                 None => break, // nothing queued
             }
             if self.stage_free() && self.lingered() {
                 break;
             }
         }
+        in_kafka.flush();
         let due = self.full() || self.stage_free();
         if !self.open.records.is_empty() && self.room() && due {
             self.close();
@@ -371,11 +381,13 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         self.open.since.is_some_and(|t| t.elapsed() >= linger)
     }
 
-    fn received(&mut self, r: Result<Record, ConsumerError>) {
+    /// Takes a record into the open batch; `now` is the wall clock's
+    /// milliseconds, for its time in Kafka.
+    fn received(&mut self, r: Result<Record, ConsumerError>, now: u64, in_kafka: &LocalHistogram) {
         match r {
             Ok(record) => {
                 if let Some(ts) = record.timestamp_ms {
-                    self.in_kafka.observe(seconds_between(ts, now_ms()));
+                    in_kafka.observe(seconds_between(ts, now));
                 }
                 self.tracker.consumed(&record.tp, record.offset);
                 self.open.bytes += record.size();
