@@ -234,19 +234,24 @@ impl Source {
     /// several times, and building a `String` for each was a fifth of
     /// planning's cost (docs/benchmarks.md, "Hot path").
     pub fn is_partition_key(&self, key: &str) -> bool {
-        let Some((topic, partition)) = key.rsplit_once(':') else {
+        let (key, topic) = (key.as_bytes(), self.topic.as_bytes());
+        // The same length as the one spelling `partition_key` writes, so
+        // "+3" or "03" (longer than "3") are not it.
+        if key.len() != self.partition_key_len() {
+            return false;
+        }
+        let (name, rest) = key.split_at(topic.len());
+        let Some((b':', digits)) = rest.split_first() else {
             return false;
         };
-        let dotted = |k: u8, t: u8| k == if t == b'.' { b'~' } else { t };
-        // The same length and value as the one spelling `partition_key`
-        // writes: "+3" or "03" are longer than "3".
-        key.len() == self.partition_key_len()
-            && topic.len() == self.topic.len()
-            && topic
-                .bytes()
-                .zip(self.topic.bytes())
-                .all(|(k, t)| dotted(k, t))
-            && partition.parse() == Ok(self.partition)
+        // A topic without a '.' is its own key text: one memcmp.
+        let dotted = |(&k, &t): (&u8, &u8)| k == if t == b'.' { b'~' } else { t };
+        let named = if topic.contains(&b'.') {
+            name.iter().zip(topic).all(dotted)
+        } else {
+            name == topic
+        };
+        named && is_number(digits, self.partition)
     }
 
     /// `partition_key().len()`, without building it ('~' replaces '.'
@@ -255,6 +260,20 @@ impl Source {
         let digits = self.partition.unsigned_abs().checked_ilog10().unwrap_or(0) as usize + 1;
         self.topic.len() + 1 + usize::from(self.partition < 0) + digits
     }
+}
+
+/// Whether `text` is `n` in decimal: an optional '-', then digits (the
+/// caller has checked the length, so no sign or zero is extra).
+fn is_number(text: &[u8], n: i32) -> bool {
+    let (negative, digits) = match text.split_first() {
+        Some((b'-', rest)) => (true, rest),
+        _ => (false, text),
+    };
+    // At most 10 digits (the length check), so no overflow in a u64.
+    let value = digits.iter().try_fold(0u64, |v, &b| {
+        b.is_ascii_digit().then(|| v * 10 + u64::from(b - b'0'))
+    });
+    !digits.is_empty() && negative == (n < 0) && value == Some(u64::from(n.unsigned_abs()))
 }
 
 /// A valid trade, ready to be appended to its customer's bucket.

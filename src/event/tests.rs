@@ -396,6 +396,9 @@ proptest! {
         other in "[a-z.~]{1,8}",
         partition in -3i32..300,
         delta in 1i32..5,
+        junk in "[a-z.~:0-9+-]{1,12}",
+        at in any::<prop::sample::Index>(),
+        ch in "[a-z.~:0-9+-]",
     ) {
         let source = Source { topic: topic.clone(), partition, offset: 0 };
         prop_assert!(source.is_partition_key(&source.partition_key()));
@@ -411,6 +414,12 @@ proptest! {
         for spelling in [format!("{name}:+{number}"), format!("{name}:0{number}")] {
             prop_assert!(!source.is_partition_key(&spelling), "{}", spelling);
         }
+        // Any other text, of any length: only the key itself is it.
+        prop_assert_eq!(source.is_partition_key(&junk), junk == key, "{}", junk);
+        // One character changed, so the length matches (the key is ASCII).
+        let i = at.index(key.len());
+        let changed = format!("{}{ch}{}", &key[..i], &key[i + 1..]);
+        prop_assert_eq!(source.is_partition_key(&changed), changed == key, "{}", changed);
     }
 
     /// Any decimal with at most 34 significant digits survives exactly.
