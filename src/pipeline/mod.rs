@@ -199,8 +199,7 @@ async fn on_own_thread(
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let (done, result) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("pipeline".into())
         .spawn(move || {
             let result = runtime.block_on(async {
@@ -209,12 +208,18 @@ async fn on_own_thread(
                     None => Ok(()),
                 }
             });
-            let _ = done.send(result);
+            // The runtime's tasks still hold Kafka and MongoDB clients (the
+            // watchers'): destroyed here, on this thread, before it ends.
+            drop(runtime);
+            result
         })?;
-    match result.await {
+    // Joined, not just heard from: the process must not exit while this
+    // thread still destroys a client. A librdkafka client destroyed here
+    // while the main thread ran the process's exit handlers corrupted the
+    // heap ("malloc_consolidate(): invalid chunk size": a SIGTERM that did
+    // not exit 0, chaos s2).
+    match tokio::task::spawn_blocking(move || thread.join()).await? {
         Ok(result) => result.map_err(Into::into),
-        Err(_) => {
-            anyhow::bail!("the pipeline thread ended without a result (a panic; see the log)")
-        }
+        Err(_) => anyhow::bail!("the pipeline thread panicked (see the log)"),
     }
 }

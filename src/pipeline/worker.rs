@@ -401,10 +401,18 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// Closes the open batch (if it holds anything), decodes it and queues
     /// it for the stage.
     fn close(&mut self) {
-        let open = std::mem::take(&mut self.open);
-        if open.records.is_empty() {
+        if self.open.records.is_empty() {
             return;
         }
+        // The next batch starts with this one's size reserved: under a
+        // backlog it fills to the same bound, so it is not grown by
+        // doubling (a copy of every record so far at each step, and large
+        // blocks freed and asked for again); under light load it is small.
+        let next = Open {
+            records: Vec::with_capacity(self.open.records.len()),
+            ..Open::default()
+        };
+        let open = std::mem::replace(&mut self.open, next);
         if let Some(since) = open.since {
             self.observe_stage(DelayStage::Batching, since.elapsed());
         }
