@@ -154,7 +154,6 @@ async fn main() -> anyhow::Result<()> {
     let ceilings = ceilings(&args, &target).await?;
     let mut samples = Vec::new();
     let (first, second) = worker_runs(&args, &target, &mut samples).await?;
-    let (second, second_ceiling) = second.unzip();
     let (audit, reconcile) = check_runs(&args, &target, &ceilings, &first, &second).await?;
     let delays = delays(&args, &target, first.events_per_second).await?;
 
@@ -168,7 +167,6 @@ async fn main() -> anyhow::Result<()> {
         "kafka_read_ceiling": ceilings["kafka_read_ceiling"],
         "plain_consumer": ceilings["plain_consumer"],
         "database_ceiling": ceilings["database_ceiling"],
-        "database_ceiling_second": second_ceiling,
         "naive_baseline": ceilings["naive_baseline"],
         "tradebucket_first": first,
         "tradebucket_second": second,
@@ -281,7 +279,7 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Va
     let cpu = Cpu::of_stack();
     let before = cpu.snapshot(None);
     let (kafka_secs, messages) =
-        read_topic(&settings, &target.topic, args.partitions, args.events, None)?;
+        read_topic(&settings, &target.topic, args.partitions, args.events)?;
     let kafka_cpu = before.per_million(&cpu.snapshot(None), args.events);
     let kafka_rate = args.events as f64 / kafka_secs;
     eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s, CPU-s per million {kafka_cpu}");
@@ -387,7 +385,7 @@ async fn worker_runs(
     args: &Args,
     target: &Target,
     samples: &mut Vec<Sample>,
-) -> anyhow::Result<(WorkerRun, Option<(WorkerRun, serde_json::Value)>)> {
+) -> anyhow::Result<(WorkerRun, Option<WorkerRun>)> {
     let profile = args.profile.then(|| args.out.join("perf.worker"));
     let first = run_worker(target, args.events, args.events, "first", samples, profile).await?;
     eprintln!(
@@ -398,9 +396,7 @@ async fn worker_runs(
         return Ok((first, None));
     }
     let more = produce_options(args, args.events, args.events, 0, &target.topic);
-    let ends = end_offsets(&target.settings(), &target.topic)?;
     cli::produce(&target.settings(), &more, false).await?;
-    let ceiling = second_ceiling(args, target, &ends).await?;
     let run = run_worker(
         target,
         2 * args.events,
@@ -419,35 +415,7 @@ async fn worker_runs(
         "bench: second set {:.0} events/s, peak RSS {:.1} MiB, CPU-s per million {}",
         run.events_per_second, run.peak_rss_mib, run.cpu_per_million
     );
-    Ok((first, Some((run, ceiling))))
-}
-
-/// The database ceiling for the second set: its trades as final buckets,
-/// inserted into the ceiling collection, which holds the first set's. How
-/// much a bare insert slows as the collection grows, beside what the
-/// worker's second set shows.
-async fn second_ceiling(
-    args: &Args,
-    target: &Target,
-    from: &BTreeMap<i32, i64>,
-) -> anyhow::Result<serde_json::Value> {
-    let settings = target.settings();
-    let (_, messages) = read_topic(
-        &settings,
-        &target.topic,
-        args.partitions,
-        args.events,
-        Some(from),
-    )?;
-    let cpu = Cpu::of_stack();
-    let db = database_ceiling(target, &messages, args.ceiling_concurrency, &cpu).await?;
-    let rate = args.events as f64 / db.seconds;
-    eprintln!(
-        "bench: database ceiling, second set {rate:.0} events/s ({} documents), CPU-s per million {}",
-        db.documents, db.cpu
-    );
-    Ok(json!({"seconds": db.seconds, "events_per_second": rate, "documents": db.documents,
-              "cpu_per_million": db.cpu}))
+    Ok((first, Some(run)))
 }
 
 /// Step 5b: `tradebucket reconcile --rate 0` over every record the worker
@@ -618,22 +586,16 @@ struct Msg {
 
 /// Reads the whole topic with the worker's client defaults and no
 /// processing: the Kafka read ceiling.
-/// Reads `expected` records of `topic`, from each partition's start or
-/// from the offsets in `from`.
 fn read_topic(
     settings: &Settings,
     topic: &str,
     partitions: i32,
     expected: u64,
-    from: Option<&BTreeMap<i32, i64>>,
 ) -> anyhow::Result<(f64, Vec<Msg>)> {
     let consumer = kafka_consumer(settings, "bench-reader")?;
     let mut tpl = TopicPartitionList::new();
     for p in 0..partitions {
-        let start = from
-            .and_then(|f| f.get(&p))
-            .map_or(Offset::Beginning, |o| Offset::Offset(*o));
-        tpl.add_partition_offset(topic, p, start)?;
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
     }
     consumer.assign(&tpl)?;
     let mut out = Vec::with_capacity(expected as usize);
