@@ -151,9 +151,10 @@ async fn main() -> anyhow::Result<()> {
     let produce_rate = args.events as f64 / secs;
     eprintln!("bench: produced {} events in {secs:.1} s", args.events);
 
-    let ceilings = ceilings(&args, &target).await?;
+    let (ceilings, heads) = ceilings(&args, &target).await?;
     let mut samples = Vec::new();
-    let (first, second) = worker_runs(&args, &target, &mut samples).await?;
+    let (first, second) = worker_runs(&args, &target, &mut samples, &heads).await?;
+    let (second, second_ceiling) = second.unzip();
     let (audit, reconcile) = check_runs(&args, &target, &ceilings, &first, &second).await?;
     let delays = delays(&args, &target, first.events_per_second).await?;
 
@@ -167,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
         "kafka_read_ceiling": ceilings["kafka_read_ceiling"],
         "plain_consumer": ceilings["plain_consumer"],
         "database_ceiling": ceilings["database_ceiling"],
+        "database_ceiling_second": second_ceiling,
         "naive_baseline": ceilings["naive_baseline"],
         "tradebucket_first": first,
         "tradebucket_second": second,
@@ -273,13 +275,14 @@ fn produce_options(
 
 /// Steps 2 to 4: the Kafka read ceiling (keeping the messages for the offline
 /// plan), the database ceiling and the naive baseline, as the results'
-/// JSON entries.
-async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Value> {
+/// JSON entries, and each customer's newest bucket in the ceiling
+/// collection, which the second set's ceiling chains onto.
+async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<(serde_json::Value, Heads)> {
     let settings = target.settings();
     let cpu = Cpu::of_stack();
     let before = cpu.snapshot(None);
     let (kafka_secs, messages) =
-        read_topic(&settings, &target.topic, args.partitions, args.events)?;
+        read_topic(&settings, &target.topic, args.partitions, args.events, None)?;
     let kafka_cpu = before.per_million(&cpu.snapshot(None), args.events);
     let kafka_rate = args.events as f64 / kafka_secs;
     eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s, CPU-s per million {kafka_cpu}");
@@ -289,7 +292,14 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Va
         plain["cpu_per_million"]
     );
 
-    let db = database_ceiling(target, &messages, args.ceiling_concurrency, &cpu).await?;
+    let db = database_ceiling(
+        target,
+        &messages,
+        args.ceiling_concurrency,
+        &cpu,
+        &Heads::new(),
+    )
+    .await?;
     let db_rate = args.events as f64 / db.seconds;
     eprintln!(
         "bench: database ceiling {db_rate:.0} events/s ({} documents), CPU-s per million {}",
@@ -300,7 +310,7 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Va
     let naive_rate = naive_baseline(target, &messages, args.naive_events).await?;
     let naive_cpu = before.per_million(&cpu.snapshot(None), args.naive_events as u64);
     eprintln!("bench: naive baseline {naive_rate:.0} events/s");
-    Ok(json!({
+    let entries = json!({
         "kafka_read_ceiling": {"seconds": kafka_secs, "events_per_second": kafka_rate,
                                "cpu_per_million": kafka_cpu},
         "plain_consumer": plain,
@@ -310,7 +320,8 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<serde_json::Va
                              "client_cpu_per_million": db.client_cpu_per_million},
         "naive_baseline": {"events": args.naive_events, "events_per_second": naive_rate,
                            "cpu_per_million": naive_cpu},
-    }))
+    });
+    Ok((entries, db.heads))
 }
 
 /// Step 2b, the worker's floor: a plain consumer reading the same backlog
@@ -385,7 +396,8 @@ async fn worker_runs(
     args: &Args,
     target: &Target,
     samples: &mut Vec<Sample>,
-) -> anyhow::Result<(WorkerRun, Option<WorkerRun>)> {
+    heads: &Heads,
+) -> anyhow::Result<(WorkerRun, Option<(WorkerRun, serde_json::Value)>)> {
     let profile = args.profile.then(|| args.out.join("perf.worker"));
     let first = run_worker(target, args.events, args.events, "first", samples, profile).await?;
     eprintln!(
@@ -396,7 +408,9 @@ async fn worker_runs(
         return Ok((first, None));
     }
     let more = produce_options(args, args.events, args.events, 0, &target.topic);
+    let ends = end_offsets(&target.settings(), &target.topic)?;
     cli::produce(&target.settings(), &more, false).await?;
+    let ceiling = second_ceiling(args, target, &ends, heads).await?;
     let run = run_worker(
         target,
         2 * args.events,
@@ -415,7 +429,38 @@ async fn worker_runs(
         "bench: second set {:.0} events/s, peak RSS {:.1} MiB, CPU-s per million {}",
         run.events_per_second, run.peak_rss_mib, run.cpu_per_million
     );
-    Ok((first, Some(run)))
+    Ok((first, Some((run, ceiling))))
+}
+
+/// The database ceiling for the second set: its trades as final buckets
+/// chained onto the first set's (`heads`, each customer's newest bucket in
+/// the ceiling collection), inserted into that collection, which holds the
+/// first set's. How much a bare insert slows as the collection grows,
+/// beside what the worker's second set shows.
+async fn second_ceiling(
+    args: &Args,
+    target: &Target,
+    from: &BTreeMap<i32, i64>,
+    heads: &Heads,
+) -> anyhow::Result<serde_json::Value> {
+    let settings = target.settings();
+    let (_, messages) = read_topic(
+        &settings,
+        &target.topic,
+        args.partitions,
+        args.events,
+        Some(from),
+    )?;
+    let cpu = Cpu::of_stack();
+    let db = database_ceiling(target, &messages, args.ceiling_concurrency, &cpu, heads).await?;
+    let rate = db.trades as f64 / db.seconds;
+    eprintln!(
+        "bench: database ceiling, second set {rate:.0} trades/s ({} documents, {} trades), CPU-s per million trades {}",
+        db.documents, db.trades, db.cpu
+    );
+    let entry = json!({"seconds": db.seconds, "events_per_second": rate,
+                       "documents": db.documents, "trades": db.trades, "cpu_per_million": db.cpu});
+    Ok(entry)
 }
 
 /// Step 5b: `tradebucket reconcile --rate 0` over every record the worker
@@ -586,16 +631,22 @@ struct Msg {
 
 /// Reads the whole topic with the worker's client defaults and no
 /// processing: the Kafka read ceiling.
+/// Reads `expected` records of `topic`, from each partition's start or
+/// from the offsets in `from`.
 fn read_topic(
     settings: &Settings,
     topic: &str,
     partitions: i32,
     expected: u64,
+    from: Option<&BTreeMap<i32, i64>>,
 ) -> anyhow::Result<(f64, Vec<Msg>)> {
     let consumer = kafka_consumer(settings, "bench-reader")?;
     let mut tpl = TopicPartitionList::new();
     for p in 0..partitions {
-        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+        let start = from
+            .and_then(|f| f.get(&p))
+            .map_or(Offset::Beginning, |o| Offset::Offset(*o));
+        tpl.add_partition_offset(topic, p, start)?;
     }
     consumer.assign(&tpl)?;
     let mut out = Vec::with_capacity(expected as usize);
@@ -636,16 +687,18 @@ fn decode_all(topic: &str, messages: &[Msg]) -> anyhow::Result<(Vec<Trade>, Vec<
 }
 
 /// The final bucket documents, planned offline with the product's own
-/// planner, inserted with unordered bulk inserts at the worker's write
-/// concern: what the database can absorb at all.
+/// planner after `heads`, inserted with unordered bulk inserts at the
+/// worker's write concern: what the database can absorb at all. CPU is
+/// per trade inserted.
 async fn database_ceiling(
     target: &Target,
     messages: &[Msg],
     concurrency: usize,
     cpu: &Cpu,
+    heads: &Heads,
 ) -> anyhow::Result<DatabaseCeiling> {
     let limits = plan::Limits::with_capacity(target.settings().buckets.capacity);
-    let docs = final_buckets(&target.topic, messages, limits)?;
+    let (docs, trades, heads) = final_buckets(&target.topic, messages, limits, heads)?;
     let n_docs = docs.len();
     let s = target
         .clone()
@@ -668,23 +721,34 @@ async fn database_ceiling(
     let own_after = cpu.seconds(std::process::id());
     let client = own
         .zip(own_after)
-        .map(|(a, b)| (b - a) / messages.len().max(1) as f64 * 1e6);
+        .map(|(a, b)| (b - a) / trades.max(1) as f64 * 1e6);
     Ok(DatabaseCeiling {
         client_cpu_per_million: client,
         seconds,
         documents: n_docs,
+        trades,
         indexes: index_keys(store.collection()).await?,
-        cpu: before.per_million(&cpu.snapshot(None), messages.len() as u64),
+        cpu: before.per_million(&cpu.snapshot(None), trades as u64),
+        heads,
     })
 }
 
-/// Every customer's trades as the final, full buckets one clean pass would
-/// leave, encoded as the worker encodes them.
+/// Each customer's newest bucket once the ceiling's buckets are in: the
+/// second set's ceiling chains onto the first set's.
+type Heads = HashMap<String, plan::BucketHead>;
+
+/// The buckets one clean pass would leave, encoded as the worker encodes
+/// them: every customer's trades planned after `heads` (its newest bucket
+/// from an earlier set, if any). Only new buckets are kept: the trades
+/// that would top up an earlier set's open bucket are left out (so each
+/// set's ceiling is a bare insert), and counted apart. Returns the
+/// documents, the trades they hold, and the heads after them.
 fn final_buckets(
     topic: &str,
     messages: &[Msg],
     limits: plan::Limits,
-) -> anyhow::Result<Vec<RawDocumentBuf>> {
+    heads: &Heads,
+) -> anyhow::Result<(Vec<RawDocumentBuf>, usize, Heads)> {
     let (trades, sources) = decode_all(topic, messages)?;
     // Stream order per customer: by partition, then offset (keyed by
     // customer, so one partition each).
@@ -695,8 +759,8 @@ fn final_buckets(
         let customer = trades[i].customer.id_text();
         per_customer.entry(customer).or_default().push(i);
     }
-    let mut docs = Vec::new();
-    for indices in per_customer.values() {
+    let (mut docs, mut inserted, mut after) = (Vec::new(), 0, Heads::new());
+    for (key, indices) in &per_customer {
         let events: Vec<Event<'_>> = indices
             .iter()
             .map(|&i| Event {
@@ -706,13 +770,18 @@ fn final_buckets(
             })
             .collect();
         let customer = &trades[indices[0]].customer;
-        let p = plan::plan_customer(customer, None, &events, &plan::Known::default(), limits);
+        let head = heads.get(key);
+        let p = plan::plan_customer(customer, head, &events, &plan::Known::default(), limits);
         for b in &p.new_buckets {
             let ts: Vec<&Trade> = b.events.iter().map(|&i| &trades[i]).collect();
+            inserted += ts.len();
             docs.push(bucket_document(b, &ts));
         }
+        if let Some(h) = p.after {
+            after.insert(key.clone(), h);
+        }
     }
-    Ok(docs)
+    Ok((docs, inserted, after))
 }
 
 /// Unordered inserts of `chunks` at majority, `concurrency` at a time.
@@ -749,6 +818,9 @@ async fn insert_all(
 struct DatabaseCeiling {
     seconds: f64,
     documents: usize,
+    /// Trades in those documents: all of the set's, but for the second
+    /// set's ceiling those that would top up the first set's open buckets.
+    trades: usize,
     /// The ceiling collection's index key patterns: the product's own
     /// (`BucketStore::init` created them), checked against the worker's
     /// collection after its run.
@@ -756,6 +828,8 @@ struct DatabaseCeiling {
     cpu: serde_json::Value,
     /// The inserting process's own CPU-seconds per million trades.
     client_cpu_per_million: Option<f64>,
+    /// Each customer's newest bucket after these inserts.
+    heads: Heads,
 }
 
 /// The key patterns of a collection's indexes, sorted, as JSON text.

@@ -266,6 +266,9 @@ lines += [
 ]
 cpu_rows = [("tradebucket, first set", first), ("tradebucket, second set", second),
             ("database ceiling (inserts only)", r["database_ceiling"]),
+            ("database ceiling, second set: its new buckets, chained onto the first set's, inserted"
+             " into the collection holding them (per trade inserted)",
+             r.get("database_ceiling_second")),
             ("Kafka ceiling: a plain consumer", r["kafka_read_ceiling"]),
             ("a plain consumer in its own process (worker column: its own CPU)", plain),
             ("naive baseline", r["naive_baseline"])]
@@ -294,6 +297,10 @@ lines += [
     "",
     "- database server per trade, tradebucket ÷ the final-bucket insert: "
     + ("–" if db_ratio is None else f"{db_ratio:.2f} ×"),
+    "- database server per trade, second set ÷ first set: tradebucket "
+    + ("–" if not second else f"{ratio(cpu(second, 'database'), tb_cpu.get('database')):.2f} ×")
+    + ", the final-bucket insert " + ("–" if not r.get("database_ceiling_second") else
+      f"{ratio(cpu(r['database_ceiling_second'], 'database'), db_cpu):.2f} ×"),
     "- broker per event, tradebucket ÷ a plain consumer of the same backlog: "
     + ("–" if broker_ratio is None else f"{broker_ratio:.2f} ×"),
     "- plain consumer µs/event (the consumer process's own CPU, librdkafka's defaults, reading"
