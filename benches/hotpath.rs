@@ -11,7 +11,7 @@
 //! - `decode`: `pipeline::decode_batch`, what the loop calls on a closed
 //!   batch;
 //! - `plan`: the batch grouped by customer (as the writer's `Batch::new`
-//!   does) and `plan::plan_customer` against each customer's newest bucket;
+//!   does) and `plan::plan_customer_owned` against each customer's newest bucket;
 //! - `encode`: those plans as the statements sent (`fill_statement`,
 //!   `bucket_document`);
 //! - `write`: the real `BucketWriter::write`, which plans and encodes again
@@ -49,7 +49,7 @@ use serde_json::json;
 
 use tradebucket::bucket::db::BucketDb;
 use tradebucket::bucket::plan::{
-    plan_customer, BucketHead, CustomerPlan, Event, Known, Limits, LoadedHead,
+    plan_customer_owned, BucketHead, CustomerPlan, Event, Known, Limits, LoadedHead,
 };
 use tradebucket::bucket::store::{
     bucket_document, chunk_by_size, fill_statement, update_command, FillOutcome, InsertOutcome,
@@ -412,10 +412,11 @@ type Heads = HashMap<CustomerId, Option<BucketHead>>;
 
 /// The writer's planning of one round, outside the writer: the batch
 /// grouped by customer as `Batch::new` groups it, each customer planned
-/// against its newest bucket.
+/// against its newest bucket, taken out of `heads` as the writer takes it
+/// out of its cache (the caller puts each plan's `after` back).
 #[inline(never)]
 fn stage_plan(
-    heads: &Heads,
+    heads: &mut Heads,
     events: &[(Trade, Source)],
     limits: Limits,
 ) -> Vec<(CustomerId, CustomerPlan)> {
@@ -426,7 +427,7 @@ fn stage_plan(
     let known = Known::default();
     let mut plans = Vec::with_capacity(pending.len());
     for (customer, idx) in &pending {
-        let head = heads.get(customer).and_then(Option::as_ref);
+        let head = heads.remove(customer).flatten();
         let evs: Vec<Event<'_>> = idx
             .iter()
             .map(|&i| Event {
@@ -435,7 +436,7 @@ fn stage_plan(
                 source: &events[i].1,
             })
             .collect();
-        let plan = plan_customer(customer, head, &evs, &known, limits);
+        let plan = plan_customer_owned(customer, head, &evs, &known, limits);
         plans.push((customer.clone(), plan));
     }
     plans
@@ -601,7 +602,7 @@ impl Pipeline {
         let events = &decoded.events;
         if self.last >= Stage::Plan {
             let plans = self.timed(Stage::Plan, n, measure, |p| {
-                stage_plan(&p.heads, events, p.limits)
+                stage_plan(&mut p.heads, events, p.limits)
             });
             if self.last >= Stage::Encode {
                 let statements =

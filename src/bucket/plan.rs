@@ -216,9 +216,23 @@ pub fn plan_customer(
     known: &Known,
     limits: Limits,
 ) -> CustomerPlan {
+    plan_customer_owned(customer, head.cloned(), events, known, limits)
+}
+
+/// [`plan_customer`] on a head the caller gives up: it becomes the plan's
+/// `after`, changed in place, so planning copies no key set. The writer
+/// plans this way with the head it takes out of its cache (a head holds up
+/// to `cap` keys and its watermarks, and every customer of every batch is
+/// planned).
+pub fn plan_customer_owned(
+    customer: &CustomerId,
+    mut head: Option<BucketHead>,
+    events: &[Event<'_>],
+    known: &Known,
+    limits: Limits,
+) -> CustomerPlan {
     let mut plan = CustomerPlan::default();
-    let accepted = classify(head, events, known, &mut plan);
-    let mut head = head.cloned();
+    let accepted = classify(head.as_ref(), events, known, &mut plan);
     let mut rest = accepted.as_slice();
 
     if let Some(h) = head

@@ -31,7 +31,7 @@ use mongodb::bson::RawDocumentBuf;
 
 use super::db::BucketDb;
 use super::id::Prefix;
-use super::plan::{plan_customer, BucketHead, CustomerPlan, Event, Known, Limits};
+use super::plan::{plan_customer_owned, BucketHead, CustomerPlan, Event, Known, Limits};
 use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 use crate::metrics::{Metrics, WriteOperation};
@@ -354,9 +354,12 @@ impl<S: BucketDb> BucketWriter<S> {
         let events = ledger.events;
         let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(ledger.pending.len());
         for (customer, idx) in &ledger.pending {
-            // Borrowed, not cloned: a head holds up to `cap` keys, and this
-            // runs for every customer of every round.
-            let head = self.cache.get(customer).and_then(Option::as_ref);
+            // Taken out of the cache, not cloned: a head holds up to `cap`
+            // keys, and this runs for every customer of every round. The
+            // plan's `after` goes back in once its writes held (`settle`)
+            // or at once if it has none (below); otherwise the customer is
+            // read again, which a failed write needs anyway.
+            let head = self.cache.pop(customer).flatten();
             let mut evs: Vec<Event<'_>> = idx
                 .iter()
                 .filter(|&&i| !ledger.outcomes[i].is_final())
@@ -374,7 +377,7 @@ impl<S: BucketDb> BucketWriter<S> {
             }
             let learnt = ledger.known.get(customer).unwrap_or(&nothing_known);
             let limits = Limits::with_capacity(self.capacity);
-            let plan = plan_customer(customer, head, &evs, learnt, limits);
+            let plan = plan_customer_owned(customer, head, &evs, learnt, limits);
             record(
                 ledger.outcomes,
                 &plan.already_applied,
@@ -387,15 +390,21 @@ impl<S: BucketDb> BucketWriter<S> {
             }
             plans.push((customer.clone(), plan));
         }
-        plans.retain(|(customer, plan)| {
-            // Without writes every planned event is settled; an isolated
-            // customer may still have events after the one planned.
-            if !plan.has_writes() && all_final(ledger.pending.get(customer), ledger.outcomes) {
-                ledger.pending.remove(customer);
+        let mut writing = Vec::with_capacity(plans.len());
+        for (customer, plan) in plans {
+            if plan.has_writes() {
+                writing.push((customer, plan));
+                continue;
             }
-            plan.has_writes()
-        });
-        Round::new(plans)
+            // Without writes every planned event is settled (an isolated
+            // customer may still have events after the one planned), and
+            // the head is unchanged: back into the cache.
+            if all_final(ledger.pending.get(&customer), ledger.outcomes) {
+                ledger.pending.remove(&customer);
+            }
+            self.cache.put(customer, plan.after);
+        }
+        Round::new(writing)
     }
 
     /// Every fill of the round in one unordered `update` command: each

@@ -511,3 +511,56 @@ proptest! {
         check_chains(&db, capacity);
     }
 }
+
+/// The cache across batches of a lone writer: a customer's head goes back
+/// into it after a write that held and after a plan with nothing to write
+/// (a redelivered batch), so each head is read once, at the first batch.
+#[test]
+fn a_lone_writer_reads_each_head_once() {
+    let db = ModelDb::default();
+    let mut writer = BucketWriter::new(db.clone(), 3, 100, Metrics::new());
+    let batch = |from: u32| -> Vec<Sent> {
+        let mut events = Vec::new();
+        for i in from..from + 5 {
+            for customer in [1, 2] {
+                let offset = i64::from(i) * 2 + customer;
+                let source = Source {
+                    topic: "t".into(),
+                    partition: 0,
+                    offset,
+                };
+                events.push((trade(customer, i, i64::from(i)), source));
+            }
+        }
+        events
+    };
+    let mut write = |events: Vec<Sent>| {
+        let mut outcomes = vec![Outcome::Pending; events.len()];
+        let stats = futures::executor::block_on(writer.write(&events, &mut outcomes))
+            .expect("the model never fails a request");
+        (stats.heads_loaded, outcomes)
+    };
+    let (loaded, outcomes) = write(batch(0));
+    assert_eq!(loaded, 2);
+    assert!(
+        outcomes.iter().all(|o| *o == Outcome::Written),
+        "{outcomes:?}"
+    );
+    let (loaded, outcomes) = write(batch(0));
+    assert_eq!(loaded, 0, "a redelivered batch reads no head");
+    assert!(
+        outcomes.iter().all(|o| *o == Outcome::AlreadyApplied),
+        "{outcomes:?}"
+    );
+    let (loaded, outcomes) = write(batch(5));
+    assert_eq!(
+        loaded, 0,
+        "the heads stayed cached through a batch without writes"
+    );
+    assert!(
+        outcomes.iter().all(|o| *o == Outcome::Written),
+        "{outcomes:?}"
+    );
+    assert_eq!(stored(&db.db()).len(), 20);
+    check_chains(&db.db(), 3);
+}
