@@ -642,3 +642,22 @@ impl Scenario {
         self.exit_codes.push(code);
     }
 }
+
+/// `tradebucket_assigned_partitions`: the partitions a worker owns now.
+pub const ASSIGNED: &str = "tradebucket_assigned_partitions";
+/// `tradebucket_rebalances_total{kind="revoked"}`: revocations so far.
+pub const REVOKED: &str = "tradebucket_rebalances_total{kind=\"revoked\"}";
+
+/// The value of one series (name and labels, as exposed) of the worker
+/// listening on `port`, from its `/metrics`.
+pub async fn worker_metric(port: u16, series: &str) -> Option<u64> {
+    let (_, body) = testkit::http_get(&format!("http://127.0.0.1:{port}/metrics")).await?;
+    let line = body
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(series))?;
+    line.split_whitespace()
+        .nth(1)?
+        .parse::<f64>()
+        .ok()
+        .map(|v| v as u64)
+}

@@ -441,7 +441,7 @@ async fn s11b_kafka_black_hole_while_another_member_leads() {
     // The worker's own account: its partitions were revoked in the hole.
     // (The local broker leaves an expired member's partitions unassigned
     // until someone joins, so the leader's assignment does not show it.)
-    let revoked = revocations(port).await;
+    let revoked = worker_metric(port, REVOKED).await;
     s.note("worker_revocations_in_the_hole", json!(revoked));
     if revoked.unwrap_or(0) == 0 {
         s.failures
@@ -460,20 +460,43 @@ async fn s11b_kafka_black_hole_while_another_member_leads() {
         json!(healed.elapsed().as_secs_f64()),
     );
     drop(leader);
+    let mut workers = vec![w];
+    workers.extend(hand_on_or_join(&mut s, &proxies, port, session).await);
     after_heal(&mut s, prober, n, healed, "Kafka").await;
-    s.finish(vec![w], &recs, &placed).await;
+    s.finish(workers, &recs, &placed).await;
 }
 
-/// `tradebucket_rebalances_total{kind="revoked"}` of the worker on `port`.
-async fn revocations(port: u16) -> Option<u64> {
-    let (_, body) = http_get(&format!("http://127.0.0.1:{port}/metrics")).await?;
-    let prefix = "tradebucket_rebalances_total{kind=\"revoked\"}";
-    let line = body.lines().find(|l| l.starts_with(prefix))?;
-    line.split_whitespace()
-        .nth(1)?
-        .parse::<f64>()
-        .ok()
-        .map(|v| v as u64)
+/// Waits until the worker on `port` owns all four partitions after the
+/// test's member left. Shaped around the local broker (docs/testing.md,
+/// s11b): Tansu 0.6.0 sometimes turns no leave into a new assignment, so
+/// the departed member's partitions stay unassigned until some member
+/// joins (twice in fresh-clone runs, 300 s and more). If the worker has
+/// not got them a session timeout later, a second worker joins, as an
+/// orchestrator keeping its replica count would; the storm does the
+/// same. Recorded as a fault, so the report says which way it went.
+/// Apache Kafka hands a leaving member's partitions on at once.
+async fn hand_on_or_join(
+    s: &mut Scenario,
+    proxies: &Proxies,
+    port: u16,
+    session: &str,
+) -> Option<WorkerProcess> {
+    let wait = humantime::parse_duration(session).expect("a duration") + Duration::from_secs(5);
+    let all = poll_until(wait, POLL, || async {
+        worker_metric(port, ASSIGNED).await == Some(4)
+    })
+    .await;
+    s.note("worker_took_every_partition_after_the_leave", json!(all));
+    if all {
+        return None;
+    }
+    s.fault("the leader's partitions were not handed on: a second worker joins".into());
+    let mut vars = proxies.vars();
+    vars.push((
+        "TRADEBUCKET__HTTP__LISTEN",
+        format!("127.0.0.1:{}", free_port()),
+    ));
+    Some(s.fleet.start_with(&vars))
 }
 
 /// One worker through the proxies, ready, and probed; and its HTTP port.

@@ -25,7 +25,7 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use testkit::{free_port, http_get, poll_until, Produced, WorkerProcess};
+use testkit::{free_port, poll_until, Produced, WorkerProcess};
 use tradebucket::cli::{synthetic_event, ProduceOptions};
 
 use crate::harness::*;
@@ -295,7 +295,7 @@ impl Storm {
         poll_until(limit, Duration::from_millis(250), || async {
             let mut owned = 0;
             for &port in &ports {
-                owned += assigned_partitions(port).await.unwrap_or(0);
+                owned += worker_metric(port, ASSIGNED).await.unwrap_or(0);
             }
             owned == total
         })
@@ -382,19 +382,6 @@ impl Storm {
             s.failures.push(why);
         }
     }
-}
-
-/// `tradebucket_assigned_partitions` of the worker listening on `port`.
-async fn assigned_partitions(port: u16) -> Option<u64> {
-    let (_, body) = http_get(&format!("http://127.0.0.1:{port}/metrics")).await?;
-    let line = body
-        .lines()
-        .find(|l| l.starts_with("tradebucket_assigned_partitions "))?;
-    line.split_whitespace()
-        .nth(1)?
-        .parse::<f64>()
-        .ok()
-        .map(|v| v as u64)
 }
 
 async fn hole(proxy: &testkit::FaultProxy, secs: u64) {
