@@ -11,7 +11,8 @@
 //! - `decode`: `pipeline::decode_batch`, what the loop calls on a closed
 //!   batch;
 //! - `plan`: the batch grouped by customer (as the writer's `Batch::new`
-//!   does) and `plan::plan_customer_owned` against each customer's newest bucket;
+//!   does) and `plan::plan_customer_owned` against each customer's newest
+//!   bucket;
 //! - `encode`: those plans as the statements sent (`fill_statement`,
 //!   `bucket_document`);
 //! - `write`: the real `BucketWriter::write`, which plans and encodes again

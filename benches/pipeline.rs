@@ -458,7 +458,7 @@ async fn second_ceiling(
         "bench: database ceiling, second set {rate:.0} trades/s ({} documents, {} trades), CPU-s per million trades {}",
         db.documents, db.trades, db.cpu
     );
-    let entry = json!({"seconds": db.seconds, "events_per_second": rate,
+    let entry = json!({"seconds": db.seconds, "trades_per_second": rate,
                        "documents": db.documents, "trades": db.trades, "cpu_per_million": db.cpu});
     Ok(entry)
 }
@@ -629,10 +629,9 @@ struct Msg {
     payload: Vec<u8>,
 }
 
-/// Reads the whole topic with the worker's client defaults and no
-/// processing: the Kafka read ceiling.
-/// Reads `expected` records of `topic`, from each partition's start or
-/// from the offsets in `from`.
+/// Reads `expected` records of `topic` with the worker's client defaults
+/// and no processing, from each partition's start (the Kafka read
+/// ceiling) or from the offsets in `from` (the second set).
 fn read_topic(
     settings: &Settings,
     topic: &str,
