@@ -98,12 +98,14 @@ struct Args {
 }
 
 /// One sample of a running worker.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone)]
 struct Sample {
     phase: &'static str,
     seconds: f64,
     written: u64,
     rss_mib: f64,
+    /// CPU-seconds so far of the worker and both servers.
+    cpu: CpuSnapshot,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -115,6 +117,10 @@ struct WorkerRun {
     /// CPU-seconds per million events of the worker, the broker and the
     /// database server over the run.
     cpu_per_million: serde_json::Value,
+    /// The same between 10 % and 90 % of the run's events written: what
+    /// each further event costs once the worker runs, without its start
+    /// (connecting, and reading each customer's newest bucket once).
+    steady_cpu_per_million: serde_json::Value,
 }
 
 /// The release binary `cargo bench` built alongside this program.
@@ -541,11 +547,17 @@ fn write_results(
         out.join("results.json"),
         serde_json::to_string_pretty(results)?,
     )?;
-    let mut csv = String::from("phase,seconds,written,rss_mib\n");
+    let mut csv = String::from("phase,seconds,written,rss_mib,worker_cpu_s,database_cpu_s\n");
     for s in samples {
+        let cpu = |v: Option<f64>| v.map(|v| format!("{v:.2}")).unwrap_or_default();
         csv.push_str(&format!(
-            "{},{:.3},{},{:.1}\n",
-            s.phase, s.seconds, s.written, s.rss_mib
+            "{},{:.3},{},{:.1},{},{}\n",
+            s.phase,
+            s.seconds,
+            s.written,
+            s.rss_mib,
+            cpu(s.cpu.worker),
+            cpu(s.cpu.database),
         ));
     }
     std::fs::write(out.join("timeline.csv"), csv)?;
@@ -908,6 +920,7 @@ async fn run_worker(
         ends,
         started,
         phase,
+        cpu,
     };
     progress
         .sample_until_committed(&t.topic, &mut child, samples)
@@ -931,7 +944,26 @@ async fn run_worker(
         events_per_second: events as f64 / seconds,
         peak_rss_mib,
         cpu_per_million: cpu_before.per_million(&cpu_after, new_events),
+        steady_cpu_per_million: steady_cpu(samples, phase, new_events),
     })
+}
+
+/// CPU per million events of `phase`'s worker and servers between its
+/// samples at 10 % and 90 % of `events` written (`null` if the run was
+/// too short to have both).
+fn steady_cpu(samples: &[Sample], phase: &str, events: u64) -> serde_json::Value {
+    let run: Vec<&Sample> = samples.iter().filter(|s| s.phase == phase).collect();
+    let from = run.iter().find(|s| s.written * 10 >= events);
+    let to = run.iter().rev().find(|s| s.written * 10 <= events * 9);
+    match (from, to) {
+        (Some(a), Some(b)) if b.written > a.written => {
+            let mut out = a.cpu.per_million(&b.cpu, b.written - a.written);
+            out["from_written"] = json!(a.written);
+            out["to_written"] = json!(b.written);
+            out
+        }
+        _ => serde_json::Value::Null,
+    }
 }
 
 /// `perf record` sampling one process (`--profile`).
@@ -983,6 +1015,8 @@ struct Progress {
     ends: BTreeMap<i32, i64>,
     started: Instant,
     phase: &'static str,
+    /// Reads the worker's and the servers' CPU at each sample.
+    cpu: Cpu,
 }
 
 impl Progress {
@@ -1010,6 +1044,7 @@ impl Progress {
                     seconds: self.started.elapsed().as_secs_f64(),
                     written: w,
                     rss_mib: child.status_kib("VmRSS:").unwrap_or(0) as f64 / 1024.0,
+                    cpu: self.cpu.snapshot(Some(child.id())),
                 });
             }
             // Commits come after durable writes, so once they reach the end

@@ -4,16 +4,10 @@
 //! the exit code.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use futures::stream::FuturesUnordered;
-use futures::StreamExt;
 use mongodb::bson::{doc, Bson, Document, RawDocumentBuf};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
-use rdkafka::error::KafkaError;
-use rdkafka::producer::FutureRecord;
 use rdkafka::types::RDKafkaErrorCode;
 
 use crate::bucket::id::Prefix;
@@ -23,6 +17,9 @@ use crate::bucket::store::{
 };
 use crate::config::Settings;
 use crate::event::CustomerId;
+
+mod produce;
+pub use produce::{produce, synthetic_event, ProduceOptions};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
@@ -445,122 +442,6 @@ impl Audit {
     }
 }
 
-/// What `produce` generates (also the `produce` command's flags).
-#[derive(Debug, Clone, clap::Args)]
-pub struct ProduceOptions {
-    /// Topic; defaults to the first of kafka.topics.
-    #[arg(long)]
-    pub topic: Option<String>,
-    #[arg(long, default_value_t = 1000)]
-    pub count: u64,
-    #[arg(long, default_value_t = 100)]
-    pub customers: u64,
-    /// Give a few customers most of the trades.
-    #[arg(long)]
-    pub skewed: bool,
-    /// Number of distinct tickers (1-20).
-    #[arg(long, default_value_t = 8)]
-    pub tickers: usize,
-    /// Events per second; 0 means as fast as possible.
-    #[arg(long, default_value_t = 0)]
-    pub rate: u64,
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
-    /// Do not key messages by customer (customers spread over partitions).
-    #[arg(long)]
-    pub no_keys: bool,
-    /// Number of the first trade id, to continue an earlier run.
-    #[arg(long, default_value_t = 0)]
-    pub first_id: u64,
-}
-
-const TICKERS: [&str; 20] = [
-    "MDB", "MSFT", "GOOG", "AAPL", "AMZN", "NVDA", "META", "TSLA", "ORCL", "IBM", "INTC", "AMD",
-    "CRM", "ADBE", "NFLX", "CSCO", "SAP", "ASML", "BRK.B", "RDS-A",
-];
-
-/// One synthetic, valid trade event as JSON, and its customer.
-pub fn synthetic_event(
-    rng: &mut StdRng,
-    n: u64,
-    opts: &ProduceOptions,
-    base_ms: i64,
-) -> (String, String) {
-    let customer = if opts.skewed {
-        // Squaring a uniform draw piles mass on low ids: roughly 30% of
-        // trades go to the first 10% of customers.
-        let u: f64 = rng.random();
-        ((u * u) * opts.customers as f64) as u64
-    } else {
-        rng.random_range(0..opts.customers.max(1))
-    };
-    let ticker = TICKERS[rng.random_range(0..opts.tickers.clamp(1, TICKERS.len()))];
-    let side = if rng.random_bool(0.5) { "buy" } else { "sell" };
-    let qty: u32 = rng.random_range(1..1000);
-    let cents: u32 = rng.random_range(100..100_000);
-    // Monotonic in the trade number, so a customer's trades are in time
-    // order, also across runs continued with --first-id.
-    let date = base_ms + ((opts.first_id + n) as i64) * 3;
-    let json = serde_json::json!({
-        "tradeId": format!("G{}-{}", opts.seed, opts.first_id + n),
-        "customerId": customer,
-        "type": side,
-        "ticker": ticker,
-        "qty": qty,
-        "price": format!("{}.{:02}", cents / 100, cents % 100),
-        "currency": "USD",
-        "date": date,
-    });
-    (json.to_string(), customer.to_string())
-}
-
-/// Produces synthetic trades; returns (topic, sent, seconds).
-pub async fn produce(
-    settings: &Settings,
-    opts: &ProduceOptions,
-    progress: bool,
-) -> Result<(String, u64, f64), CliError> {
-    let producer = crate::kafka::bulk_producer(settings)?;
-    let topic = opts
-        .topic
-        .clone()
-        .unwrap_or_else(|| settings.kafka.topics[0].clone());
-    let mut rng = StdRng::seed_from_u64(opts.seed);
-    let base_ms = 1_700_000_000_000i64;
-    let started = Instant::now();
-    let mut in_flight = FuturesUnordered::new();
-    let bar = progress_bar(progress, opts.count, "trades");
-    for n in 0..opts.count {
-        if opts.rate > 0 {
-            let due = Duration::from_secs_f64(n as f64 / opts.rate as f64);
-            let elapsed = started.elapsed();
-            if due > elapsed {
-                tokio::time::sleep(due - elapsed).await;
-            }
-        }
-        let (json, key) = synthetic_event(&mut rng, n, opts, base_ms);
-        let mut record: FutureRecord<'_, str, str> = FutureRecord::to(&topic).payload(&json);
-        if !opts.no_keys {
-            record = record.key(&key);
-        }
-        // Enqueued at once, so --rate paces the real sends.
-        in_flight.push(crate::kafka::enqueue(&producer, record).await?);
-        // Bound memory: at most this many unacknowledged sends.
-        while in_flight.len() >= 50_000 {
-            if let Some(ack) = in_flight.next().await {
-                delivered(ack)?;
-            }
-        }
-        // Counts handed to the producer; the wait below covers the acks.
-        bar.inc(1);
-    }
-    while let Some(ack) = in_flight.next().await {
-        delivered(ack)?;
-    }
-    bar.finish_and_clear();
-    Ok((topic, opts.count, started.elapsed().as_secs_f64()))
-}
-
 /// A progress bar of `len` `things` on stderr, or a hidden one when
 /// `visible` is false (not a terminal): `produce` and `dlq replay`.
 pub fn progress_bar(visible: bool, len: u64, things: &str) -> indicatif::ProgressBar {
@@ -572,21 +453,6 @@ pub fn progress_bar(visible: bool, len: u64, things: &str) -> indicatif::Progres
         format!("{{spinner}} {{bar:40}} {{pos}}/{{len}} {things}  {{per_sec}}  eta {{eta}}");
     bar.set_style(indicatif::ProgressStyle::with_template(&template).expect("a valid template"));
     bar
-}
-
-/// The broker's verdict on one produced event.
-fn delivered(
-    ack: Result<
-        rdkafka::producer::future_producer::OwnedDeliveryResult,
-        futures::channel::oneshot::Canceled,
-    >,
-) -> Result<(), CliError> {
-    match ack {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err((e, _))) => Err(e.into()),
-        // The producer dropped the delivery report: it is shutting down.
-        Err(_) => Err(KafkaError::Canceled.into()),
-    }
 }
 
 /// `tradebucket map`'s flags.

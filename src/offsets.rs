@@ -55,10 +55,17 @@ impl OffsetTracker {
 
     /// A message was consumed and is now in flight.
     pub fn consumed(&mut self, tp: &TopicPartition, offset: i64) {
-        let t = self.parts.entry(tp.clone()).or_default();
+        // Called once per record: the key is copied only for a partition's
+        // first one (`entry` would take an owned key every time).
+        let t = match self.parts.get_mut(tp) {
+            Some(t) => t,
+            None => self.parts.entry(tp.clone()).or_default(),
+        };
         t.in_flight.insert(offset);
         t.highest = Some(t.highest.map_or(offset, |h| h.max(offset)));
-        self.start.entry(tp.clone()).or_insert(offset);
+        if !self.start.contains_key(tp) {
+            self.start.insert(tp.clone(), offset);
+        }
     }
 
     /// The message's event is durably handled.
