@@ -24,6 +24,7 @@ use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::offsets::TopicPartition;
 
+use super::acked::AckedProducer;
 use super::context::{ConsumerCtx, Producer, ScrubbedLogs};
 use super::stall::StallWatch;
 use super::GroupEvent;
@@ -234,9 +235,18 @@ pub fn end_offsets(
         .collect())
 }
 
+/// The dead-letter producer's settings, for `dlq replay`.
 pub fn producer(settings: &Settings) -> Result<Producer, SetupError> {
     producer_config(settings)
         .create_with_context(ScrubbedLogs::new(settings))
+        .map_err(|e| SetupError::new(settings, e))
+}
+
+/// The worker's dead-letter producer: the same settings as [`producer`],
+/// and a polling thread that sleeps while there is nothing to send
+/// ([`AckedProducer`]).
+pub fn dead_letter_producer(settings: &Settings) -> Result<AckedProducer, SetupError> {
+    AckedProducer::new(&producer_config(settings), ScrubbedLogs::new(settings))
         .map_err(|e| SetupError::new(settings, e))
 }
 

@@ -80,7 +80,8 @@ impl ClientContext for ScrubbedLogs {
 /// stall watcher's end offsets): no rebalance ever calls it.
 impl ConsumerContext for ScrubbedLogs {}
 
-/// The dead-letter producer.
+/// The producer of the commands that send and exit (`dlq replay`,
+/// `produce`); the worker's dead letters go through an [`AckedProducer`](super::AckedProducer).
 pub type Producer = FutureProducer<ScrubbedLogs>;
 
 pub struct ConsumerCtx {

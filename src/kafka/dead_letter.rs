@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
+use super::acked::AckedProducer;
 use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedHeaders;
-use rdkafka::producer::FutureRecord;
 use rdkafka::types::RDKafkaErrorCode;
 use sha2::{Digest, Sha256};
 
@@ -166,24 +166,16 @@ impl DeadLetter {
 /// Sends one dead letter and waits for the broker's acknowledgement;
 /// `queue_timeout` bounds the wait for room in librdkafka's local queue.
 pub async fn send_dead_letter(
-    producer: &super::Producer,
+    producer: &AckedProducer,
     dlq_topic: &str,
     dl: &DeadLetter,
     queue_timeout: Duration,
 ) -> Result<(), rdkafka::error::KafkaError> {
+    let (key, payload) = (dl.key.as_deref(), dl.payload.as_deref());
     let headers = dead_letter_headers(dl);
-    let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(dlq_topic).headers(headers);
-    if let Some(k) = &dl.key {
-        record = record.key(k.as_slice());
-    }
-    if let Some(p) = &dl.payload {
-        record = record.payload(p.as_slice());
-    }
     producer
-        .send(record, queue_timeout)
+        .send(dlq_topic, key, payload, headers, queue_timeout)
         .await
-        .map(|_| ())
-        .map_err(|(e, _)| e)
 }
 
 /// The names of the headers tradebucket writes on a dead letter all start

@@ -17,6 +17,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use crate::metrics::ConsumerErrorKind;
 use crate::offsets::TopicPartition;
 
+mod acked;
 mod clients;
 mod context;
 mod dead_letter;
@@ -24,9 +25,10 @@ mod group;
 pub mod headers;
 pub mod stall;
 
+pub use acked::AckedProducer;
 pub use clients::{
-    admin, bulk_producer, check_options, consumer, end_offsets, end_offsets_client, enqueue,
-    partitions, producer, reader_client, GroupConsumer, SetupError,
+    admin, bulk_producer, check_options, consumer, dead_letter_producer, end_offsets,
+    end_offsets_client, enqueue, partitions, producer, reader_client, GroupConsumer, SetupError,
 };
 pub use context::{link_failure, ConsumerCtx, Producer, ScrubbedLogs};
 pub use dead_letter::{

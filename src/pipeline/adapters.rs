@@ -189,14 +189,14 @@ impl Intake for KafkaIntake {
 /// The dead-letter producer and where each source topic's dead letters go.
 pub(crate) struct KafkaDeadLetters {
     /// Replaced after a fatal error (see `send`), with a generation so that
-    /// many sends failing together replace it once. Cloning a
-    /// `FutureProducer` is cheap: each send holds the lock only to clone.
-    producer: RwLock<(u64, kafka::Producer)>,
+    /// many sends failing together replace it once. Cloning an
+    /// `AckedProducer` is cheap: each send holds the lock only to clone.
+    producer: RwLock<(u64, kafka::AckedProducer)>,
     settings: Settings,
 }
 
 impl KafkaDeadLetters {
-    pub fn new(producer: kafka::Producer, settings: Settings) -> Self {
+    pub fn new(producer: kafka::AckedProducer, settings: Settings) -> Self {
         KafkaDeadLetters {
             producer: RwLock::new((0, producer)),
             settings,
@@ -217,7 +217,7 @@ impl KafkaDeadLetters {
         if current.0 != generation {
             return; // another send replaced it already
         }
-        match kafka::producer(&self.settings) {
+        match kafka::dead_letter_producer(&self.settings) {
             Ok(fresh) => {
                 tracing::error!(error = %e, "dead-letter producer failed fatally; replaced");
                 *current = (generation + 1, fresh);

@@ -93,7 +93,8 @@ impl Pipeline {
             settings.buckets.cache_customers,
             metrics.clone(),
         );
-        let dead_letters = KafkaDeadLetters::new(kafka::producer(&settings)?, settings.clone());
+        let dead_letters =
+            KafkaDeadLetters::new(kafka::dead_letter_producer(&settings)?, settings.clone());
         let group = kafka::consumer(&settings, metrics.clone(), health.clone())?;
         tokio::spawn(watch_partitions(
             group.stalls.clone(),
