@@ -8,9 +8,15 @@
 //! of every call is polled again and again with a zero timeout until the
 //! call's deadline passes. That is about 1 % of a core for as long as the
 //! worker runs, most of which it has no dead letter to send. Here each call
-//! lasts [`POLL_CALL`], so the same rounding costs a hundredth of that.
+//! lasts [`POLL_CALL`], so the same rounding costs a tenth of that.
 //! A delivery report is still handled as soon as it arrives: a call
 //! returns only at its deadline, but serves every event before it.
+//!
+//! The last handle's drop stops the thread and waits for it (a call at
+//! most), then destroys the client: librdkafka's threads must be gone
+//! before the process exits, or its exit can crash them (a worker killed
+//! by a signal at its SIGTERM exit, once, in a fresh-clone run of the
+//! chaos suite while the thread outlived the drop).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -28,8 +34,8 @@ use tokio::time::Instant;
 use super::context::ScrubbedLogs;
 
 /// How long each call of the polling thread lasts, and so how long the
-/// thread outlives the last handle (it holds the client until then).
-pub const POLL_CALL: Duration = Duration::from_secs(10);
+/// last handle's drop may wait for it.
+pub const POLL_CALL: Duration = Duration::from_secs(1);
 
 /// How often a send retries while librdkafka's local queue is full.
 const QUEUE_FULL_RETRY: Duration = Duration::from_millis(10);
@@ -43,17 +49,21 @@ pub struct AckedProducer {
     client: Arc<Client>,
 }
 
-/// The client and its polling thread's stop signal, shared by the clones.
+/// The client and its polling thread, shared by the clones.
 struct Client {
     producer: Arc<BaseProducer<Delivery>>,
     stop: Arc<AtomicBool>,
+    polling: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for Client {
-    /// The thread sees the stop at the end of its current call and drops
-    /// its share of the client then.
+    /// The thread sees the stop at the end of its current call; once it
+    /// is gone, the client is destroyed here, with this last share.
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        if let Some(polling) = self.polling.take() {
+            let _ = polling.join();
+        }
     }
 }
 
@@ -64,7 +74,7 @@ impl AckedProducer {
             Arc::new(config.create_with_context(Delivery { logs })?);
         let stop = Arc::new(AtomicBool::new(false));
         let (polled, stopped) = (Arc::clone(&producer), Arc::clone(&stop));
-        std::thread::Builder::new()
+        let polling = std::thread::Builder::new()
             .name("dead-letter producer".to_string())
             .spawn(move || {
                 while !stopped.load(Ordering::Relaxed) {
@@ -73,7 +83,11 @@ impl AckedProducer {
             })
             .map_err(|e| KafkaError::ClientCreation(format!("polling thread: {e}")))?;
         Ok(AckedProducer {
-            client: Arc::new(Client { producer, stop }),
+            client: Arc::new(Client {
+                producer,
+                stop,
+                polling: Some(polling),
+            }),
         })
     }
 

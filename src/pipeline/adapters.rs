@@ -220,7 +220,10 @@ impl KafkaDeadLetters {
         match kafka::dead_letter_producer(&self.settings) {
             Ok(fresh) => {
                 tracing::error!(error = %e, "dead-letter producer failed fatally; replaced");
-                *current = (generation + 1, fresh);
+                let (_, failed) = std::mem::replace(&mut *current, (generation + 1, fresh));
+                // Dropping the last handle waits for its polling thread (a
+                // second at most): not on the loop's thread.
+                std::thread::spawn(move || drop(failed));
             }
             Err(err) => tracing::error!(error = %err, "cannot replace the dead-letter producer"),
         }
@@ -241,6 +244,9 @@ impl DeadLetterSink for KafkaDeadLetters {
             self.settings.timeouts.dead_letter_delivery,
         )
         .await;
+        // Not held past here: a replaced producer's last handle, dropped,
+        // waits for its polling thread, which should not be this one.
+        drop(producer);
         result.map_err(|e| {
             self.replace_after_fatal(&e, generation);
             send_error(e)
