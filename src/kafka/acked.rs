@@ -14,9 +14,10 @@
 //!
 //! The last handle's drop stops the thread and waits for it (a call at
 //! most), then destroys the client: librdkafka's threads must be gone
-//! before the process exits, or its exit can crash them (a worker killed
-//! by a signal at its SIGTERM exit, once, in a fresh-clone run of the
-//! chaos suite while the thread outlived the drop).
+//! before the process exits (with 10 s calls and the thread left to end on
+//! its own, a worker of a fresh-clone chaos run ended by a signal instead
+//! of exiting 0 at its SIGTERM, once; librdkafka running into the exit
+//! was the one thing new).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
