@@ -29,17 +29,14 @@ use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, ProducerContext};
-use rdkafka::types::RDKafkaErrorCode;
 use tokio::time::Instant;
 
+use super::clients::while_queue_full;
 use super::context::ScrubbedLogs;
 
 /// How long each call of the polling thread lasts, and so how long the
 /// last handle's drop may wait for it.
-pub const POLL_CALL: Duration = Duration::from_secs(1);
-
-/// How often a send retries while librdkafka's local queue is full.
-const QUEUE_FULL_RETRY: Duration = Duration::from_millis(10);
+const POLL_CALL: Duration = Duration::from_secs(1);
 
 /// Where a send's acknowledgement goes.
 type Ack = oneshot::Sender<KafkaResult<()>>;
@@ -95,6 +92,9 @@ impl AckedProducer {
     /// Sends one record, waiting at most `queue_timeout` for room in
     /// librdkafka's local queue, and then for the broker's verdict (which
     /// `message.timeout.ms` bounds).
+    // The closure's result is rdkafka's own: a refused record comes back
+    // beside its error, to be sent again.
+    #[allow(clippy::result_large_err)]
     pub async fn send(
         &self,
         topic: &str,
@@ -109,18 +109,8 @@ impl AckedProducer {
         record.key = key;
         record.payload = payload;
         let deadline = Instant::now() + queue_timeout;
-        loop {
-            match self.client.producer.send(record) {
-                Ok(()) => break,
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
-                    if Instant::now() < deadline =>
-                {
-                    record = back;
-                    tokio::time::sleep(QUEUE_FULL_RETRY).await;
-                }
-                Err((e, _)) => return Err(e),
-            }
-        }
+        let producer = &self.client.producer;
+        while_queue_full(record, Some(deadline), |r| producer.send(r)).await?;
         // The client dropped the report: it is being destroyed.
         acked.await.unwrap_or(Err(KafkaError::Canceled))
     }

@@ -280,21 +280,40 @@ pub fn admin(settings: &Settings) -> Result<AdminClient<ScrubbedLogs>, SetupErro
 /// (the producer's own thread empties it as the broker acknowledges). The
 /// async `FutureProducer::send` would only enqueue when first polled, so a
 /// caller that gathers its futures would send nothing until it awaits them.
+// The closure's result is rdkafka's own: a refused record comes back
+// beside its error, to be sent again.
+#[allow(clippy::result_large_err)]
 pub async fn enqueue<K, P, C>(
     producer: &FutureProducer<C>,
-    mut record: FutureRecord<'_, K, P>,
+    record: FutureRecord<'_, K, P>,
 ) -> KafkaResult<DeliveryFuture>
 where
     K: ToBytes + ?Sized,
     P: ToBytes + ?Sized,
     C: ClientContext + 'static,
 {
+    while_queue_full(record, None, |r| producer.send_result(r)).await
+}
+
+/// How often a send is tried again while librdkafka's local queue is full.
+const QUEUE_FULL_RETRY: Duration = Duration::from_millis(5);
+
+/// Hands `record` to librdkafka through `send`, trying again while its
+/// local queue is full, until `deadline` if there is one; any other
+/// refusal is returned at once.
+pub(super) async fn while_queue_full<R, T>(
+    mut record: R,
+    deadline: Option<tokio::time::Instant>,
+    send: impl Fn(R) -> Result<T, (KafkaError, R)>,
+) -> KafkaResult<T> {
     loop {
-        match producer.send_result(record) {
-            Ok(delivery) => return Ok(delivery),
-            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+        match send(record) {
+            Ok(sent) => return Ok(sent),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                if deadline.is_none_or(|d| tokio::time::Instant::now() < d) =>
+            {
                 record = back;
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                tokio::time::sleep(QUEUE_FULL_RETRY).await;
             }
             Err((e, _)) => return Err(e),
         }
