@@ -386,13 +386,15 @@ impl BucketDb for MemDb {
 // count it alone (`--toggle-collect='*hotpath::stage_decode*'`).
 
 /// `KafkaIntake::recv`'s copy of each message, pushed into a batch that
-/// grows as the loop's open batch does (`Vec::push` from empty).
+/// grows as the loop's open batch does (`Vec::push` from empty). The topic's
+/// name is shared, as the intake shares it among a topic's records.
 #[inline(never)]
 fn stage_intake(topic: &str, wire: &[Wire]) -> Vec<Record> {
+    let topic: Arc<str> = topic.into();
     let mut records = Vec::new();
     for w in wire {
         records.push(Record {
-            tp: (topic.to_string(), w.partition),
+            tp: (topic.clone(), w.partition),
             offset: w.offset,
             key: Some(w.key.to_vec()),
             payload: Some(w.payload.to_vec()),

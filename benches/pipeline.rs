@@ -685,7 +685,7 @@ fn decode_all(topic: &str, messages: &[Msg]) -> anyhow::Result<(Vec<Trade>, Vec<
     let mut sources = Vec::with_capacity(messages.len());
     for m in messages {
         let source = Source {
-            topic: topic.to_string(),
+            topic: topic.into(),
             partition: m.partition,
             offset: m.offset,
         };

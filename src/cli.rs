@@ -522,7 +522,7 @@ pub fn map_samples(
             headers: &headers,
         };
         let source = crate::event::Source {
-            topic: topic.clone(),
+            topic: topic.as_str().into(),
             partition: 0,
             offset: i as i64,
         };

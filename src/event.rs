@@ -210,7 +210,7 @@ fn validate_customer_text(s: &str) -> Result<(), Reject> {
 /// `tradeId` and the key of the applied-offset watermark.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Source {
-    pub topic: String,
+    pub topic: std::sync::Arc<str>,
     pub partition: i32,
     pub offset: i64,
 }

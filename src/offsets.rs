@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 /// A topic and partition.
-pub type TopicPartition = (String, i32);
+pub type TopicPartition = (std::sync::Arc<str>, i32);
 
 #[derive(Debug, Default, Clone)]
 struct Track {
@@ -151,7 +151,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn tp(p: i32) -> TopicPartition {
-        ("t".to_string(), p)
+        ("t".into(), p)
     }
 
     fn all(_: &TopicPartition) -> bool {

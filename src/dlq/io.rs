@@ -120,7 +120,7 @@ fn ranges(
     if partitions.is_empty() {
         return Err(DlqError::NoTopic(topic.into()));
     }
-    let tps: Vec<_> = partitions.iter().map(|&p| (topic.to_string(), p)).collect();
+    let tps: Vec<_> = partitions.iter().map(|&p| (topic.into(), p)).collect();
     let ends = kafka::end_offsets(client, &tps, REQUEST_TIMEOUT)?;
     let mut out = BTreeMap::new();
     for ((_, p), end) in ends {

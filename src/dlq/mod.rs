@@ -80,7 +80,7 @@ impl Letter {
         let source = match (h(H_SOURCE_TOPIC), h(H_SOURCE_PARTITION), h(H_SOURCE_OFFSET)) {
             (Some(topic), Some(p), Some(o)) => match (p.parse(), o.parse()) {
                 (Ok(partition), Ok(offset)) => Some(Source {
-                    topic,
+                    topic: topic.into(),
                     partition,
                     offset,
                 }),
@@ -129,7 +129,7 @@ impl Letter {
         let position = position_text(identity);
         headers.push((H_REPLAY_OF.as_bytes().to_vec(), Some(position.into_bytes())));
         Ok(Replay {
-            topic: source.topic.clone(),
+            topic: source.topic.to_string(),
             key: self.key.clone(),
             payload: self.payload.clone(),
             headers,
@@ -208,7 +208,7 @@ impl Filter {
         let topic_ok = self
             .source_topic
             .as_ref()
-            .is_none_or(|t| source.is_some_and(|s| &s.topic == t));
+            .is_none_or(|t| source.is_some_and(|s| *s.topic == **t));
         let partition_ok = self
             .source_partition
             .is_none_or(|p| source.is_some_and(|s| s.partition == p));

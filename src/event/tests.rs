@@ -381,7 +381,7 @@ proptest! {
     /// its length ('.' becomes '~'; size charges rest on it).
     #[test]
     fn partition_key_len_is_the_keys_length(topic in "[a-zA-Z0-9._-]{1,40}", partition in any::<i32>()) {
-        let source = Source { topic, partition, offset: 0 };
+        let source = Source { topic: topic.into(), partition, offset: 0 };
         let key = source.partition_key();
         prop_assert_eq!(source.partition_key_len(), key.len());
         prop_assert_eq!(key, format!("{}:{}", source.topic.replace('.', "~"), partition));
@@ -400,11 +400,11 @@ proptest! {
         at in any::<prop::sample::Index>(),
         ch in "[a-z.~:0-9+-]",
     ) {
-        let source = Source { topic: topic.clone(), partition, offset: 0 };
+        let source = Source { topic: topic.as_str().into(), partition, offset: 0 };
         prop_assert!(source.is_partition_key(&source.partition_key()));
         let moved = Source { partition: partition + delta, ..source.clone() };
         prop_assert!(!source.is_partition_key(&moved.partition_key()));
-        let elsewhere = Source { topic: other, ..source.clone() };
+        let elsewhere = Source { topic: other.into(), ..source.clone() };
         prop_assert_eq!(
             source.is_partition_key(&elsewhere.partition_key()),
             elsewhere.partition_key() == source.partition_key()

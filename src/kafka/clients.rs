@@ -229,7 +229,7 @@ pub fn end_offsets(
         .iter()
         .filter(|e| e.error().is_ok())
         .filter_map(|e| match e.offset() {
-            rdkafka::Offset::Offset(end) => Some(((e.topic().to_string(), e.partition()), end)),
+            rdkafka::Offset::Offset(end) => Some(((e.topic().into(), e.partition()), end)),
             _ => None,
         })
         .collect())

@@ -133,7 +133,7 @@ impl ClientContext for ConsumerCtx {
                     continue;
                 }
                 let label = partition.to_string();
-                let tp = (topic.clone(), *partition);
+                let tp = (topic.as_str().into(), *partition);
                 if assigned.contains(&tp) {
                     self.observe(&tp, p);
                     if p.consumer_lag >= 0 {
@@ -287,7 +287,7 @@ fn show(change: Change, failure: Option<String>, said: (&str, &str)) {
 fn partitions(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
     tpl.elements()
         .iter()
-        .map(|e| (e.topic().to_string(), e.partition()))
+        .map(|e| (e.topic().into(), e.partition()))
         .collect()
 }
 

@@ -84,7 +84,7 @@ fn parse_position(text: &str) -> Option<Source> {
         return None;
     }
     Some(Source {
-        topic: topic.to_string(),
+        topic: topic.into(),
         partition: partition.parse().ok()?,
         offset: offset.parse().ok()?,
     })
@@ -205,7 +205,7 @@ fn dead_letter_headers(dl: &DeadLetter) -> OwnedHeaders {
     for (name, value) in [
         (H_ERROR_KIND, dl.reject.kind.as_str()),
         (H_ERROR_MESSAGE, dl.reject.message.as_str()),
-        (H_SOURCE_TOPIC, dl.source.topic.as_str()),
+        (H_SOURCE_TOPIC, &*dl.source.topic),
         (H_SOURCE_PARTITION, partition.as_str()),
         (H_SOURCE_OFFSET, offset.as_str()),
     ] {

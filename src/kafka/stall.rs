@@ -150,7 +150,7 @@ mod tests {
     const W: Duration = Duration::from_secs(60);
 
     fn tp(p: i32) -> TopicPartition {
-        ("t".to_string(), p)
+        ("t".into(), p)
     }
 
     fn seen(next: i64, queued: i64) -> Observed {

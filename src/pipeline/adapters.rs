@@ -32,6 +32,10 @@ pub(crate) struct KafkaIntake {
     /// Told which partitions are paused on purpose (never stalled).
     stalls: Arc<Mutex<StallWatch>>,
     metrics: Metrics,
+    /// The names of the topics read so far, each shared by every record
+    /// read from it (and its `Source`): one copy per topic, not two
+    /// allocations per event.
+    topics: Vec<Arc<str>>,
 }
 
 impl KafkaIntake {
@@ -41,6 +45,7 @@ impl KafkaIntake {
             events: group.events,
             stalls: group.stalls,
             metrics,
+            topics: Vec::new(),
         }
     }
 
@@ -97,14 +102,26 @@ fn commit_async(consumer: &StreamConsumer<ConsumerCtx>) -> Result<(), KafkaError
     }
 }
 
+/// The shared name of `topic` among those read so far. A worker reads a few
+/// topics at most, so a scan beats a map.
+fn shared(topics: &mut Vec<Arc<str>>, topic: &str) -> Arc<str> {
+    if let Some(t) = topics.iter().find(|t| ***t == *topic) {
+        return t.clone();
+    }
+    let t: Arc<str> = topic.into();
+    topics.push(t.clone());
+    t
+}
+
 impl Intake for KafkaIntake {
     async fn recv(&mut self) -> Result<Record, ConsumerError> {
         let m = self.consumer.recv().await.map_err(|e| ConsumerError {
             kind: kafka::consumer_error_kind(&e),
             message: e.to_string(),
         })?;
+        let topic = shared(&mut self.topics, m.topic());
         Ok(Record {
-            tp: (m.topic().to_string(), m.partition()),
+            tp: (topic, m.partition()),
             offset: m.offset(),
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec),

@@ -339,7 +339,7 @@ impl Harness {
 }
 
 fn tp(partition: i32) -> TopicPartition {
-    ("trades".to_string(), partition)
+    ("trades".into(), partition)
 }
 
 fn record(partition: i32, offset: i64, valid: bool) -> Record {

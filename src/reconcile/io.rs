@@ -380,7 +380,7 @@ impl Check<'_> {
 
     fn read(&self, m: BorrowedMessage<'_>) -> Read {
         let at = Source {
-            topic: m.topic().to_string(),
+            topic: m.topic().into(),
             partition: m.partition(),
             offset: m.offset(),
         };
@@ -513,7 +513,7 @@ fn replay_of(r: &Read) -> Replay {
     let position = kafka::position_text(&identity);
     headers.push((H_REPLAY_OF.as_bytes().to_vec(), Some(position.into_bytes())));
     Replay {
-        topic: r.at.topic.clone(),
+        topic: r.at.topic.to_string(),
         key: r.key.clone(),
         payload: r.payload.clone(),
         headers,

@@ -268,7 +268,7 @@ impl Ledger {
                 if self.problems.len() < LISTED_PROBLEMS {
                     self.problems.push(Problem {
                         kind,
-                        topic: at.topic.clone(),
+                        topic: at.topic.to_string(),
                         partition: at.partition,
                         offset: at.offset,
                         key: key.cloned(),

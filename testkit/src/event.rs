@@ -149,7 +149,7 @@ pub fn decoded(
     max_message_bytes: usize,
 ) -> (tradebucket::event::Trade, tradebucket::event::Source) {
     let source = tradebucket::event::Source {
-        topic: topic.to_string(),
+        topic: topic.into(),
         partition: 0,
         offset,
     };

@@ -395,7 +395,7 @@ fn source() -> impl Strategy<Value = (Source, bool)> {
         |(topic, partition, offset, replay)| {
             (
                 Source {
-                    topic,
+                    topic: topic.into(),
                     partition,
                     offset,
                 },
