@@ -31,9 +31,9 @@
 //! trade. Times on this shared machine are noisy; `scripts/hotpath-callgrind`
 //! counts instructions per stage (`--stage`), which repeat to the unit.
 //!
-//! `cargo bench --bench hotpath [-- --batches 10]`; with mimalloc instead
-//! of glibc's allocator: `--features bench-mimalloc` (docs/benchmarks.md,
-//! "Allocator trial").
+//! `cargo bench --bench hotpath [-- --batches 10]`; with glibc's allocator
+//! instead of mimalloc, the product's: `--features bench-system-alloc`
+//! (docs/benchmarks.md, "The allocator").
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::collections::{BTreeMap, HashMap};
@@ -68,19 +68,19 @@ use tradebucket::pipeline::{decode_batch, Decoded, Record};
 // it, so a stage's count is the difference of two readings around it (the
 // program is single-threaded while measuring).
 
-#[cfg(not(feature = "bench-mimalloc"))]
+#[cfg(feature = "bench-system-alloc")]
 type Inner = std::alloc::System;
-#[cfg(not(feature = "bench-mimalloc"))]
+#[cfg(feature = "bench-system-alloc")]
 const INNER: Inner = std::alloc::System;
-#[cfg(feature = "bench-mimalloc")]
+#[cfg(not(feature = "bench-system-alloc"))]
 type Inner = mimalloc::MiMalloc;
-#[cfg(feature = "bench-mimalloc")]
+#[cfg(not(feature = "bench-system-alloc"))]
 const INNER: Inner = mimalloc::MiMalloc;
 
-const ALLOCATOR: &str = if cfg!(feature = "bench-mimalloc") {
-    "mimalloc"
-} else {
+const ALLOCATOR: &str = if cfg!(feature = "bench-system-alloc") {
     "system (glibc)"
+} else {
+    "mimalloc"
 };
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);

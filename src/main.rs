@@ -16,6 +16,15 @@ use tradebucket::event::CustomerId;
 use tradebucket::pipeline;
 use tradebucket::reconcile::io::{self as reconcile, Report};
 
+/// mimalloc, not glibc's malloc: the worker allocates a batch's records and
+/// trades together and frees them together, a pattern glibc serves by
+/// splitting and coalescing chunks (a quarter of the worker's CPU in its
+/// profile). Measured end to end, alternating on the same backlog: about 15 %
+/// less CPU per event for 5 to 13 MiB more peak RSS (docs/benchmarks.md, "The
+/// allocator"). The crate's `no_thp` feature is why the memory stays close.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// sysexits EX_USAGE: what operators' tooling expects for bad configuration.
 const EXIT_CONFIG: u8 = 64;
 
