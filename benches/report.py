@@ -92,10 +92,13 @@ def in_libc(dso):
 COMPONENTS = [
     ("the kernel: system calls, the scheduler, page faults", lambda d, k, sym: k == "k"),
     ("the vDSO clock (`clock_gettime`)", lambda d, k, sym: d == "[vdso]"),
-    ("the allocator: glibc's malloc and free, and Rust's calls into them", lambda d, k, sym: (
+    # mimalloc is the worker's allocator (linked in: `mi_*`, `_mi_*`); glibc's
+    # malloc still serves librdkafka and the other C code.
+    ("the allocator: mimalloc (Rust's), glibc's malloc and free (C's), and Rust's calls into them",
+     lambda d, k, sym: (
         in_libc(d) and any(w in sym for w in ("malloc", "free", "calloc", "realloc", "_int_",
                                               "tcache", "unlink_chunk")))
-     or rust_crate(sym) == "__rustc"),
+     or sym.startswith(("mi_", "_mi_")) or rust_crate(sym) == "__rustc"),
     ("glibc's memory copies and compares", lambda d, k, sym: in_libc(d) and sym.startswith(
         ("__mem", "__str", "memcpy", "memmove", "memset", "memcmp", "__wmem"))),
     ("glibc: locks, threads, system-call wrappers", lambda d, k, sym: in_libc(d)),

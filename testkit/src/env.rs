@@ -496,13 +496,24 @@ impl TestEnv {
     }
 
     /// Drops the database and deletes the topics.
+    /// Bounded: a stand-in that stopped answering (Tansu 0.6.0's storage
+    /// task can die on a panic, docs/testing.md) must fail the suite's
+    /// later tests, not hang it in a cleanup nobody checks.
     pub async fn cleanup(self) {
-        if let Ok(store) = BucketStore::connect(&self.settings(&[])).await {
-            let _ = store.client().database(&self.db).drop().await;
+        let bound = Duration::from_secs(30);
+        let drop_db = async {
+            if let Ok(store) = BucketStore::connect(&self.settings(&[])).await {
+                let _ = store.client().database(&self.db).drop().await;
+            }
+        };
+        if tokio::time::timeout(bound, drop_db).await.is_err() {
+            eprintln!("cleanup: dropping database {} timed out", self.db);
         }
-        let _ = admin(&self.kafka)
-            .delete_topics(&[&self.topic, &self.dlq], &AdminOptions::new())
-            .await;
+        let delete =
+            admin(&self.kafka).delete_topics(&[&self.topic, &self.dlq], &AdminOptions::new());
+        if tokio::time::timeout(bound, delete).await.is_err() {
+            eprintln!("cleanup: deleting topic {} timed out", self.topic);
+        }
     }
 }
 
