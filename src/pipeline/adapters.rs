@@ -416,4 +416,16 @@ mod tests {
             SendError::Failed(_)
         ));
     }
+
+    #[test]
+    fn each_topic_name_is_allocated_once_and_shared() {
+        let mut topics = Vec::new();
+        let a = shared(&mut topics, "trades");
+        let b = shared(&mut topics, "fills");
+        let again = shared(&mut topics, "trades");
+        assert!(Arc::ptr_eq(&a, &again));
+        assert!(!Arc::ptr_eq(&a, &b));
+        assert_eq!((&*a, &*b), ("trades", "fills"));
+        assert_eq!(topics.len(), 2);
+    }
 }
