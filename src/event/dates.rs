@@ -104,49 +104,6 @@ fn fix_canonical(s: &str) -> Option<NaiveDateTime> {
     date.and_hms_nano_opt(num(9..11)?, num(12..14)?, num(15..17)?, nanos)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use chrono::Timelike;
-    use proptest::prelude::*;
-
-    #[test]
-    fn a_canonical_fix_stamp_is_read_by_position() {
-        let t = fix_canonical("20261126-04:38:09.123").unwrap();
-        assert_eq!(t.and_utc().timestamp_millis(), 1_795_667_889_123);
-        assert_eq!(
-            fix_canonical("20261126-04:38:09"),
-            Some(t.with_nanosecond(0).unwrap())
-        );
-        // Left to chrono: a leap second, a 10th fraction digit, a sign.
-        assert_eq!(fix_canonical("20261231-23:59:60"), None);
-        assert_eq!(fix_canonical("20261126-04:38:09.1234567890"), None);
-        assert_eq!(fix_canonical("+2026112-04:38:09"), None);
-    }
-
-    proptest! {
-        #[test]
-        fn the_canonical_reading_is_chronos(
-            s in "[0-9]{8}-[0-9]{2}:[0-9]{2}:[0-9]{2}(\\.[0-9]{0,10})?|[0-9+ .:-]{0,24}",
-        ) {
-            if let Some(t) = fix_canonical(&s) {
-                prop_assert_eq!(Some(t), fix_by_chrono(&s).ok());
-            }
-        }
-
-        #[test]
-        fn every_valid_canonical_stamp_takes_the_fast_path(
-            (y, m, d) in (1970i32..2287, 1u32..13, 1u32..29),
-            (h, mi, sec) in (0u32..24, 0u32..60, 0u32..60),
-            fraction in "(\\.[0-9]{1,9})?",
-        ) {
-            let s = format!("{y:04}{m:02}{d:02}-{h:02}:{mi:02}:{sec:02}{fraction}");
-            prop_assert!(fix_canonical(&s).is_some());
-            prop_assert_eq!(fix_canonical(&s), fix_by_chrono(&s).ok());
-        }
-    }
-}
-
 /// The string a text format reads, borrowed from the payload unless it
 /// has escapes.
 fn text(raw: &str) -> Result<std::borrow::Cow<'_, str>, Reject> {
@@ -197,4 +154,47 @@ fn epoch_millis(raw: &str, per_second: i64) -> Result<i64, Reject> {
         1 => n.saturating_mul(1000),
         _ => n.div_euclid(per_second / 1000),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Timelike;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_canonical_fix_stamp_is_read_by_position() {
+        let t = fix_canonical("20261126-04:38:09.123").unwrap();
+        assert_eq!(t.and_utc().timestamp_millis(), 1_795_667_889_123);
+        assert_eq!(
+            fix_canonical("20261126-04:38:09"),
+            Some(t.with_nanosecond(0).unwrap())
+        );
+        // Left to chrono: a leap second, a 10th fraction digit, a sign.
+        assert_eq!(fix_canonical("20261231-23:59:60"), None);
+        assert_eq!(fix_canonical("20261126-04:38:09.1234567890"), None);
+        assert_eq!(fix_canonical("+2026112-04:38:09"), None);
+    }
+
+    proptest! {
+        #[test]
+        fn the_canonical_reading_is_chronos(
+            s in "[0-9]{8}-[0-9]{2}:[0-9]{2}:[0-9]{2}(\\.[0-9]{0,10})?|[0-9+ .:-]{0,24}",
+        ) {
+            if let Some(t) = fix_canonical(&s) {
+                prop_assert_eq!(Some(t), fix_by_chrono(&s).ok());
+            }
+        }
+
+        #[test]
+        fn every_valid_canonical_stamp_takes_the_fast_path(
+            (y, m, d) in (1970i32..2287, 1u32..13, 1u32..29),
+            (h, mi, sec) in (0u32..24, 0u32..60, 0u32..60),
+            fraction in "(\\.[0-9]{1,9})?",
+        ) {
+            let s = format!("{y:04}{m:02}{d:02}-{h:02}:{mi:02}:{sec:02}{fraction}");
+            prop_assert!(fix_canonical(&s).is_some());
+            prop_assert_eq!(fix_canonical(&s), fix_by_chrono(&s).ok());
+        }
+    }
 }
