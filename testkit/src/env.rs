@@ -496,6 +496,7 @@ impl TestEnv {
     }
 
     /// Drops the database and deletes the topics.
+    ///
     /// Bounded: a stand-in that stopped answering (Tansu 0.6.0's storage
     /// task can die on a panic, docs/testing.md) must fail the suite's
     /// later tests, not hang it in a cleanup nobody checks.
