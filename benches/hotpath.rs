@@ -439,7 +439,7 @@ fn stage_plan(
                 source: &events[i].1,
             })
             .collect();
-        let plan = plan_customer_owned(customer, head, &evs, &known, limits);
+        let plan = plan_customer_owned(customer, head, &evs, &known, limits, false);
         plans.push((customer.clone(), plan));
     }
     plans
@@ -469,7 +469,7 @@ fn stage_encode(
 #[inline(never)]
 fn stage_write(writer: &mut BucketWriter<MemDb>, events: &[(Trade, Source)]) -> Vec<Outcome> {
     let mut outcomes = vec![Outcome::Pending; events.len()];
-    futures::executor::block_on(writer.write(events, &mut outcomes))
+    futures::executor::block_on(writer.write(events, &mut outcomes, None))
         .expect("the in-memory database never fails");
     outcomes
 }

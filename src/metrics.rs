@@ -42,6 +42,10 @@ const IN_FLIGHT_EVENTS: Def = (
     "tradebucket_in_flight_events",
     "Events consumed whose offsets are not yet committable.",
 );
+const HELD_TRADES: Def = (
+    "tradebucket_held_trades",
+    "Trades held back under a backlog to go into whole buckets with a later batch (batch.hold_trades).",
+);
 const ASSIGNED_PARTITIONS: Def = (
     "tradebucket_assigned_partitions",
     "Partitions currently assigned to this instance.",
@@ -117,6 +121,7 @@ pub struct Metrics {
     /// stage: [`DelayStage`]
     pub stage_delay: HistogramVec,
     pub in_flight_events: IntGauge,
+    pub held_trades: IntGauge,
     pub assigned_partitions: IntGauge,
     pub stalled_partitions: IntGauge,
     /// 1 when `/readyz` answers 200; set at each scrape, so alerts see
@@ -149,6 +154,7 @@ impl Metrics {
             end_to_end_delay: histogram(&r, end_to_end_delay_opts()),
             stage_delay: histogram_vec(&r, stage_delay_opts(), "stage"),
             in_flight_events: gauge(&r, IN_FLIGHT_EVENTS),
+            held_trades: gauge(&r, HELD_TRADES),
             assigned_partitions: gauge(&r, ASSIGNED_PARTITIONS),
             stalled_partitions: gauge(&r, STALLED_PARTITIONS),
             ready: gauge(&r, READY),

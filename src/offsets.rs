@@ -68,6 +68,11 @@ impl OffsetTracker {
         }
     }
 
+    /// The offset after the newest one consumed from `tp`, if any.
+    pub fn next_to_consume(&self, tp: &TopicPartition) -> Option<i64> {
+        self.parts.get(tp)?.highest.map(|h| h + 1)
+    }
+
     /// The message's event is durably handled.
     pub fn handled(&mut self, tp: &TopicPartition, offset: i64) {
         if let Some(t) = self.parts.get_mut(tp) {

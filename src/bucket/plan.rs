@@ -190,6 +190,10 @@ pub struct CustomerPlan {
     /// Events that cannot be placed (the `_id` space after the newest bucket
     /// is exhausted, or the newest bucket has a foreign `_id`), with why.
     pub unplaceable: Vec<(usize, String)>,
+    /// Planned with `hold`: the customer's last events, which would only
+    /// part-fill a bucket (the open one, or a new last one), left for a
+    /// later batch. Always the tail of the accepted events, in order.
+    pub held: Vec<usize>,
     /// The newest bucket once every operation above has succeeded.
     pub after: Option<BucketHead>,
 }
@@ -216,7 +220,7 @@ pub fn plan_customer(
     known: &Known,
     limits: Limits,
 ) -> CustomerPlan {
-    plan_customer_owned(customer, head.cloned(), events, known, limits)
+    plan_customer_owned(customer, head.cloned(), events, known, limits, false)
 }
 
 /// [`plan_customer`] on a head the caller gives up: it becomes the plan's
@@ -224,12 +228,21 @@ pub fn plan_customer(
 /// plans this way with the head it takes out of its cache (a head holds up
 /// to `cap` keys and its watermarks, and every customer of every batch is
 /// planned).
+///
+/// With `hold`, only whole buckets are written: a fill that would leave the
+/// open bucket short of full, or a last new bucket that would not be full,
+/// is left out and its events go to `held`, for a later batch to write
+/// with the customer's next trades (see docs/design.md, "Holding partial
+/// buckets under a backlog"). What is written is then exactly what the
+/// plan without `hold` would write first, so a later plan of the held
+/// events continues it as if nothing had been held.
 pub fn plan_customer_owned(
     customer: &CustomerId,
     mut head: Option<BucketHead>,
     events: &[Event<'_>],
     known: &Known,
     limits: Limits,
+    hold: bool,
 ) -> CustomerPlan {
     let mut plan = CustomerPlan::default();
     let accepted = classify(head.as_ref(), events, known, &mut plan);
@@ -239,26 +252,50 @@ pub fn plan_customer_owned(
         .as_mut()
         .filter(|h| !h.is_full(limits.cap) && !rest.is_empty())
     {
-        let fill = fill(h, rest, limits.cap);
-        rest = &rest[fill.events.len()..];
-        plan.fill = Some(fill);
+        if hold && !fills_up(h, rest, limits.cap) {
+            plan.held.extend(rest.iter().map(|ev| ev.index));
+            rest = &[];
+        } else {
+            let fill = fill(h, rest, limits.cap);
+            rest = &rest[fill.events.len()..];
+            plan.fill = Some(fill);
+        }
     }
 
     if !rest.is_empty() {
-        head = open_buckets(customer, head, rest, limits, &mut plan);
+        head = open_buckets(customer, head, rest, limits, hold, &mut plan);
     }
     plan.after = head;
     plan
 }
 
+/// Whether appending `events` to the open bucket `head` would make it full
+/// (the fill stops there): [`BucketHead::is_full`] after them all, which
+/// grows with every event.
+fn fills_up(head: &BucketHead, events: &[Event<'_>], legacy_cap: u32) -> bool {
+    let count = head.count as usize + events.len();
+    let by_count = count >= head.cap.unwrap_or(legacy_cap) as usize;
+    by_count
+        || head.size.is_some_and(|s| {
+            let charged: u64 = events
+                .iter()
+                .map(|ev| size::charge(ev.trade, ev.source))
+                .sum();
+            s.bytes + charged >= s.cap_bytes
+        })
+}
+
 /// Opens the buckets `events` go to after `head` (the newest bucket, full
 /// or absent), in `plan`; returns the newest bucket once they are in.
-/// Events that cannot be placed are recorded there with why.
+/// Events that cannot be placed are recorded there with why. With `hold`,
+/// a last bucket that would not be full is not opened: its events are
+/// held.
 fn open_buckets(
     customer: &CustomerId,
     mut head: Option<BucketHead>,
     mut rest: &[Event<'_>],
     limits: Limits,
+    hold: bool,
     plan: &mut CustomerPlan,
 ) -> Option<BucketHead> {
     let prefix = Prefix::of(customer);
@@ -272,6 +309,12 @@ fn open_buckets(
             }
         };
         let (bucket, after) = open_bucket(&prefix, customer, head.as_ref(), at, rest, limits);
+        // A bucket stops taking events only when full: one that is not
+        // took all the rest, and is the last.
+        if hold && !after.is_full(limits.cap) {
+            plan.held.extend(bucket.events);
+            break;
+        }
         rest = &rest[bucket.events.len()..];
         plan.new_buckets.push(bucket);
         head = Some(after);

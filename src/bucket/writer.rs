@@ -54,6 +54,10 @@ pub enum Outcome {
     Duplicate,
     /// Must go to the dead-letter topic.
     DeadLetter(Reject),
+    /// Not written: it would only part-fill a bucket, and the call allowed
+    /// holding (see [`BucketWriter::write`]). The caller writes it again
+    /// in a later call, before the customer's newer events.
+    Held,
 }
 
 impl Outcome {
@@ -114,13 +118,21 @@ impl<S: BucketDb> BucketWriter<S> {
     /// Writes `events` (in stream order). `outcomes` has one slot per event
     /// and survives a failed call, so a retry keeps what is already known.
     /// On `Err`, events still `Pending` must be retried.
+    ///
+    /// `hold`: `Some(first)` lets every customer none of whose events comes
+    /// before index `first` write only whole buckets, its last events that
+    /// would part-fill one left [`Outcome::Held`] (the caller puts events
+    /// it held before, and will not hold again, below `first`). `None`
+    /// writes everything.
     pub async fn write(
         &mut self,
         events: &[(Trade, Source)],
         outcomes: &mut [Outcome],
+        hold: Option<usize>,
     ) -> Result<WriteStats, StoreError> {
         assert_eq!(events.len(), outcomes.len(), "one outcome per event");
         let mut ledger = Ledger::new(events, outcomes);
+        ledger.hold_from = hold;
         let result = self.rounds(&mut ledger).await;
         if result.is_err() {
             // Whatever we were doing, we no longer know the state of these
@@ -377,12 +389,14 @@ impl<S: BucketDb> BucketWriter<S> {
             }
             let learnt = ledger.known.get(customer).unwrap_or(&nothing_known);
             let limits = Limits::with_capacity(self.capacity);
-            let plan = plan_customer_owned(customer, head, &evs, learnt, limits);
+            let hold = ledger.may_hold(customer, idx);
+            let plan = plan_customer_owned(customer, head, &evs, learnt, limits, hold);
             record(
                 ledger.outcomes,
                 &plan.already_applied,
                 Outcome::AlreadyApplied,
             );
+            record(ledger.outcomes, &plan.held, Outcome::Held);
             record(ledger.outcomes, &plan.duplicates, Outcome::Duplicate);
             for (i, why) in &plan.unplaceable {
                 let reject = Reject::new(RejectKind::Rejected, why.clone());

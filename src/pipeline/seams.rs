@@ -118,16 +118,23 @@ pub(crate) trait Intake {
 
     /// Leaves the consumer group, so the partitions move on at once.
     fn leave(&mut self);
+
+    /// The partition's end offset (the offset the next produced record will
+    /// get) as the client last heard it from the broker, without asking;
+    /// `None` if it has not heard yet.
+    fn end_offset(&self, tp: &TopicPartition) -> Option<i64>;
 }
 
 /// Where trades go: the bucket writer.
 pub(crate) trait BucketSink {
     /// Writes `events` (in stream order). `outcomes` has one slot per event
     /// and survives a failed call: a retry keeps what is already known.
+    /// `hold`: see `BucketWriter::write`.
     async fn write(
         &mut self,
         events: &[(Trade, Source)],
         outcomes: &mut [Outcome],
+        hold: Option<usize>,
     ) -> Result<WriteStats, StoreError>;
 
     /// Forgets cached buckets: after a rebalance another instance may have

@@ -41,6 +41,16 @@ impl Decoded {
     }
 }
 
+impl Decoded {
+    fn empty() -> Decoded {
+        Decoded {
+            events: Vec::new(),
+            record_of: Vec::new(),
+            dead: Vec::new(),
+        }
+    }
+}
+
 /// A batch closed for writing: its records (for dead letters and the
 /// commit) and their decoding.
 pub(super) struct Closed {
@@ -48,6 +58,32 @@ pub(super) struct Closed {
     pub decoded: Decoded,
     /// When it was closed (the `queued` stage of the delay metric).
     pub closed: TokioInstant,
+    /// Closed under a backlog: its customers' partial buckets may be held
+    /// back (see [`Held`]).
+    pub backlog: bool,
+}
+
+impl Closed {
+    /// A batch of no records: it writes the held trades.
+    pub fn flush() -> Closed {
+        Closed {
+            records: Vec::new(),
+            decoded: Decoded::empty(),
+            closed: TokioInstant::now(),
+            backlog: false,
+        }
+    }
+}
+
+/// A trade a batch held back ([`Outcome::Held`]), with its record: its
+/// offset stays uncommitted, and a write may still dead-letter it, until a
+/// later batch writes it (docs/design.md, "Holding partial buckets under a
+/// backlog").
+struct Held {
+    event: (Trade, Source),
+    record: Record,
+    /// When it was first held: `batch.hold_max_age` counts from here.
+    since: TokioInstant,
 }
 
 /// A batch whose every event is handled: written, found already stored,
@@ -77,6 +113,9 @@ pub(super) struct Stage<B, D> {
     health: Arc<Health>,
     /// Dead letters are logged at warn at most once per second.
     dead_letter_log: Throttle,
+    /// Held trades in stream order, so each customer's are the tail of its
+    /// trades so far and the oldest hold comes first.
+    held: Vec<Held>,
 }
 
 impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
@@ -94,7 +133,13 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
             metrics,
             health,
             dead_letter_log: Throttle::hot_path(),
+            held: Vec::new(),
         }
+    }
+
+    /// Whether trades are held, waiting for a later batch.
+    pub fn holds(&self) -> bool {
+        !self.held.is_empty()
     }
 
     /// Handles `batch` and hands the stage back with the result. `forget`:
@@ -103,32 +148,38 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     /// customers). A batch being written when it happened goes on with its
     /// cache: every write is guarded, so a stale entry costs a conflict,
     /// never a wrong write.
-    pub async fn handle(mut self, batch: Closed, forget: bool) -> (Self, Done) {
+    ///
+    /// The trades held by earlier batches are written first, before this
+    /// batch's (each customer's order). `hold`: this batch may hold trades
+    /// back in turn (it closed under a backlog, and no revocation or
+    /// shutdown came since); the done records are then all but the held
+    /// ones'.
+    pub async fn handle(mut self, batch: Closed, forget: bool, hold: bool) -> (Self, Done) {
         let started = TokioInstant::now();
         if forget {
             self.buckets.forget_all();
         }
-        let Closed {
-            records, decoded, ..
-        } = batch;
-        let Decoded {
-            events,
-            record_of,
-            mut dead,
-        } = decoded;
-        let (outcomes, stats) = self.write_until_done(&events).await;
+        let mut work = self.with_held(batch);
+        let hold_from = hold.then(|| self.hold_from(&work, started)).flatten();
+        let (outcomes, stats) = self.write_until_done(&work.events, hold_from).await;
         let mut counts = OutcomeCounts::default();
-        for (j, outcome) in outcomes.into_iter().enumerate() {
+        let mut held = Vec::new();
+        for (j, (event, outcome)) in work.events.drain(..).zip(outcomes).enumerate() {
             match outcome {
                 Outcome::Written => counts.written += 1,
                 Outcome::AlreadyApplied => counts.applied += 1,
                 Outcome::Duplicate => counts.duplicates += 1,
-                Outcome::DeadLetter(r) => dead.push((record_of[j], r)),
+                Outcome::DeadLetter(r) => work.dead.push((work.record_of[j], r)),
+                Outcome::Held => {
+                    let since = work.held_since.get(j).copied().unwrap_or(started);
+                    held.push((work.record_of[j], event, since));
+                }
                 Outcome::Pending => unreachable!("write returned Ok with a pending event"),
             }
         }
-        counts.dead_lettered = dead.len() as u64;
-        self.dead_letter(&records, &dead).await;
+        counts.dead_lettered = work.dead.len() as u64;
+        self.dead_letter(&work.records, &work.dead).await;
+        let records = self.hold(work.records, held);
         let done = Done {
             records,
             counts,
@@ -138,15 +189,87 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         (self, done)
     }
 
+    /// The held trades, then `batch`: what this write handles.
+    fn with_held(&mut self, batch: Closed) -> Work {
+        let held = std::mem::take(&mut self.held);
+        let n = held.len();
+        let Decoded {
+            events,
+            record_of,
+            dead,
+        } = batch.decoded;
+        let mut work = Work {
+            events: Vec::with_capacity(n + events.len()),
+            records: Vec::with_capacity(n + batch.records.len()),
+            record_of: Vec::with_capacity(n + record_of.len()),
+            dead: dead.into_iter().map(|(i, r)| (n + i, r)).collect(),
+            held_since: Vec::with_capacity(n),
+        };
+        for (i, h) in held.into_iter().enumerate() {
+            work.events.push(h.event);
+            work.records.push(h.record);
+            work.record_of.push(i);
+            work.held_since.push(h.since);
+        }
+        work.events.extend(events);
+        work.records.extend(batch.records);
+        work.record_of.extend(record_of.into_iter().map(|i| n + i));
+        work
+    }
+
+    /// The `hold` the writer gets: `None` when the held trades would pass
+    /// `batch.hold_trades`; otherwise the index of the first held trade
+    /// younger than `batch.hold_max_age` (the older ones, and their
+    /// customers' later trades, are written whole).
+    fn hold_from(&self, work: &Work, now: TokioInstant) -> Option<usize> {
+        let batch = &self.settings.batch;
+        if work.events.len() > batch.hold_trades {
+            return None;
+        }
+        let expired = work
+            .held_since
+            .iter()
+            .take_while(|&&since| now.duration_since(since) >= batch.hold_max_age)
+            .count();
+        Some(expired)
+    }
+
+    /// Keeps the `held` trades (by record index, ascending) with their
+    /// records for a later batch; returns the other records: the done ones.
+    fn hold(
+        &mut self,
+        records: Vec<Record>,
+        held: Vec<(usize, (Trade, Source), TokioInstant)>,
+    ) -> Vec<Record> {
+        let mut done = Vec::with_capacity(records.len() - held.len());
+        let mut held = held.into_iter().peekable();
+        for (i, record) in records.into_iter().enumerate() {
+            match held.next_if(|(at, ..)| *at == i) {
+                Some((_, event, since)) => self.held.push(Held {
+                    event,
+                    record,
+                    since,
+                }),
+                None => done.push(record),
+            }
+        }
+        self.metrics.held_trades.set(self.held.len() as i64);
+        done
+    }
+
     /// Writes the batch's events, retrying with backoff until every event
     /// has an outcome. The loop keeps polling the consumer meanwhile (its
     /// partitions paused once it holds), so an outage of any length costs
     /// no rebalance.
-    async fn write_until_done(&mut self, events: &[(Trade, Source)]) -> (Vec<Outcome>, WriteStats) {
+    async fn write_until_done(
+        &mut self,
+        events: &[(Trade, Source)],
+        hold: Option<usize>,
+    ) -> (Vec<Outcome>, WriteStats) {
         let mut outcomes = vec![Outcome::Pending; events.len()];
         let mut backoff = Backoff::new(&self.settings.retry);
         loop {
-            match self.buckets.write(events, &mut outcomes).await {
+            match self.buckets.write(events, &mut outcomes, hold).await {
                 Ok(stats) => {
                     self.health.write_succeeded();
                     return (outcomes, stats);
@@ -239,6 +362,18 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         }
         self.metrics.dead_lettered(dl.reject.kind).inc();
     }
+}
+
+/// What one write handles: the held trades, then the batch's.
+struct Work {
+    events: Vec<(Trade, Source)>,
+    /// Held trades' records first, then the batch's.
+    records: Vec<Record>,
+    /// For each event, the index of its record.
+    record_of: Vec<usize>,
+    dead: Vec<(usize, Reject)>,
+    /// When each held trade (the first events) was first held.
+    held_since: Vec<TokioInstant>,
 }
 
 /// Decodes every record; the undecodable ones are to be dead-lettered.

@@ -41,6 +41,13 @@ struct Seen {
     /// Calls of `recv` while paused (what keeps a held member in its group).
     polls_paused: usize,
     left: bool,
+    /// Each write attempt's `hold`.
+    holds: Vec<Option<usize>>,
+    /// Partitions' end offsets, as the client last heard them.
+    ends: BTreeMap<TopicPartition, i64>,
+    /// Offsets the bucket writer holds, each the first time a write lets
+    /// it (as often as it is listed).
+    to_hold: Vec<i64>,
 }
 
 type Shared = Arc<Mutex<Seen>>;
@@ -124,6 +131,10 @@ impl Intake for FakeIntake {
     fn leave(&mut self) {
         self.seen.lock().unwrap().left = true;
     }
+
+    fn end_offset(&self, tp: &TopicPartition) -> Option<i64> {
+        self.seen.lock().unwrap().ends.get(tp).copied()
+    }
 }
 
 /// Fails its first `failures` writes, and takes `delay` for each.
@@ -139,16 +150,33 @@ impl BucketSink for FakeBuckets {
         &mut self,
         events: &[(Trade, Source)],
         outcomes: &mut [Outcome],
+        hold: Option<usize>,
     ) -> Result<WriteStats, StoreError> {
         let offsets = events.iter().map(|(_, s)| s.offset).collect();
         let at = self.start.elapsed();
-        self.seen.lock().unwrap().writes.push((at, offsets));
+        {
+            let mut seen = self.seen.lock().unwrap();
+            seen.writes.push((at, offsets));
+            seen.holds.push(hold);
+        }
         tokio::time::sleep(self.delay).await;
         if self.failures > 0 {
             self.failures -= 1;
             return Err(StoreError::Failed("down".into()));
         }
-        outcomes.fill(Outcome::Written);
+        let to_hold = &mut self.seen.lock().unwrap().to_hold;
+        for (j, (o, (_, source))) in outcomes.iter_mut().zip(events).enumerate() {
+            let at = to_hold.iter().position(|&o| o == source.offset);
+            let held = hold.is_some_and(|from| j >= from) && at.is_some();
+            if let (true, Some(at)) = (held, at) {
+                to_hold.remove(at);
+            }
+            *o = if held {
+                Outcome::Held
+            } else {
+                Outcome::Written
+            };
+        }
         Ok(WriteStats::default())
     }
 
@@ -211,6 +239,9 @@ struct Options {
     /// `kafka.max_poll_interval` (the hold's grace is a quarter of it at
     /// most).
     max_poll_interval: Option<Duration>,
+    /// `batch.hold_trades` and `batch.hold_max_age`.
+    hold_trades: Option<usize>,
+    hold_max_age: Option<Duration>,
 }
 
 fn settings(max_events: Option<usize>, max_bytes: Option<usize>) -> Settings {
@@ -271,6 +302,12 @@ impl Harness {
         if let Some(d) = o.max_poll_interval {
             settings.kafka.max_poll_interval = d;
         }
+        if let Some(n) = o.hold_trades {
+            settings.batch.hold_trades = n;
+        }
+        if let Some(d) = o.hold_max_age {
+            settings.batch.hold_max_age = d;
+        }
         let metrics = Metrics::new();
         let worker = Worker::new(
             settings,
@@ -312,6 +349,21 @@ impl Harness {
                 .send(Ok(record(partition, offset, true)))
                 .unwrap();
         }
+    }
+
+    /// The writer holds each of these offsets the first time a write lets
+    /// it.
+    fn hold(&self, offsets: impl IntoIterator<Item = i64>) {
+        self.seen.lock().unwrap().to_hold = offsets.into_iter().collect();
+    }
+
+    /// The client hears that `partition` ends at `end`.
+    fn end(&self, partition: i32, end: i64) {
+        self.seen.lock().unwrap().ends.insert(tp(partition), end);
+    }
+
+    fn holds(&self) -> Vec<Option<usize>> {
+        self.seen.lock().unwrap().holds.clone()
     }
 
     fn group_event(&self, event: GroupEvent) {
@@ -948,4 +1000,204 @@ async fn settle() {
     for _ in 0..200 {
         tokio::task::yield_now().await;
     }
+}
+
+/// The next offsets committed, in order, without times or modes.
+fn committed(h: &Harness) -> Vec<Vec<(TopicPartition, i64)>> {
+    h.commits().into_iter().map(|c| c.1).collect()
+}
+
+/// Under a backlog (a full batch more waiting in Kafka), a batch may hold
+/// trades back; their offsets are committed only once a later batch has
+/// written them, first among its own, and the batch that closes without a
+/// backlog writes them all.
+#[tokio::test(start_paused = true)]
+async fn held_trades_are_committed_only_once_a_later_batch_writes_them() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            write_delay: ms(10),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.end(0, 100);
+    h.hold([2, 3, 7]);
+    h.send(0, 0..4, true);
+    h.until(ms(15)).await;
+    assert_eq!(h.holds(), vec![Some(0)]);
+    assert_eq!(committed(&h), vec![vec![(tp(0), 2)]], "not past the held 2");
+    h.send(0, 4..8, true);
+    h.until(ms(30)).await;
+    assert_eq!(h.writes()[1].1, vec![2, 3, 4, 5, 6, 7], "held ones first");
+    assert_eq!(h.holds()[1], Some(0), "a fresh hold may be held again");
+    assert_eq!(committed(&h)[1], vec![(tp(0), 7)]);
+    // The backlog is over: the next batch writes everything.
+    h.end(0, 9);
+    h.send(0, [8], true);
+    h.until(ms(50)).await;
+    assert_eq!(h.writes()[2].1, vec![7, 8]);
+    assert_eq!(h.holds()[2], None);
+    assert_eq!(committed(&h)[2], vec![(tp(0), 9)]);
+    h.stop().await;
+}
+
+/// Without a full batch more waiting in Kafka nothing is held: a light load
+/// is written and committed whole.
+#[tokio::test(start_paused = true)]
+async fn without_a_backlog_nothing_is_held() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            ..Options::default()
+        },
+        &[0, 1],
+    );
+    // 3 waiting past partition 0's last record and none on partition 1
+    // (never read): less than a batch.
+    h.end(0, 7);
+    h.end(1, 50);
+    h.hold([1]);
+    h.send(0, 0..4, true);
+    h.until(ms(5)).await;
+    assert_eq!(h.holds(), vec![None]);
+    assert_eq!(committed(&h), vec![vec![(tp(0), 4)]]);
+    h.stop().await;
+}
+
+/// Held trades never wait on an idle worker: once it has had nothing to
+/// write for `batch.linger`, they are written alone.
+#[tokio::test(start_paused = true)]
+async fn an_idle_worker_writes_its_held_trades_after_the_linger() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.end(0, 100);
+    h.hold([2, 3]);
+    h.send(0, 0..4, true);
+    h.until(ms(40)).await;
+    assert_eq!(h.writes().len(), 1);
+    h.until(ms(60)).await;
+    assert_eq!(h.writes()[1], (LINGER, vec![2, 3]));
+    assert_eq!(h.holds()[1], None);
+    assert_eq!(committed(&h), vec![vec![(tp(0), 2)], vec![(tp(0), 4)]]);
+    h.stop().await;
+}
+
+/// Shutdown writes the held trades before the last commit.
+#[tokio::test(start_paused = true)]
+async fn shutdown_writes_the_held_trades_before_the_last_commit() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.end(0, 100);
+    h.hold([3]);
+    h.send(0, 0..4, true);
+    h.until(ms(1)).await;
+    let seen = h.stop().await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.writes[1].1, vec![3]);
+    assert_eq!(seen.holds, vec![Some(0), None]);
+    let last: Vec<_> = seen.commits.iter().map(|c| c.1.clone()).collect();
+    assert_eq!(last, vec![vec![(tp(0), 3)], vec![(tp(0), 4)], vec![]]);
+}
+
+/// After a revocation the next batch holds nothing back: a revoked
+/// partition's held trades are written at once, for its new owner.
+#[tokio::test(start_paused = true)]
+async fn after_a_revocation_the_next_batch_holds_nothing() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            write_delay: ms(10),
+            ..Options::default()
+        },
+        &[0, 1],
+    );
+    h.end(0, 100);
+    h.end(1, 100);
+    h.hold([2, 3]);
+    h.send(0, 0..4, true);
+    h.until(ms(5)).await;
+    h.group_event(GroupEvent::Revoked(vec![tp(0)]));
+    h.send(1, 0..4, true);
+    h.until(ms(40)).await;
+    assert_eq!(h.writes()[1].1, vec![2, 3, 0, 1, 2, 3]);
+    assert_eq!(h.holds(), vec![Some(0), None]);
+    let all: Vec<_> = committed(&h).concat();
+    assert_eq!(
+        all,
+        vec![(tp(1), 4)],
+        "the revoked partition is its owner's to commit"
+    );
+    h.stop().await;
+}
+
+/// A trade held for `batch.hold_max_age` is written by the next batch even
+/// under a backlog: the write is told to hold only after it.
+#[tokio::test(start_paused = true)]
+async fn a_trade_held_past_its_age_is_written_by_the_next_batch() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            write_delay: ms(300),
+            hold_max_age: Some(ms(500)),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.end(0, 100);
+    h.hold([3, 6, 7, 3]);
+    // Written at 0, 300 and 600 ms: the backlog never leaves the stage idle.
+    h.send(0, 0..12, true);
+    h.until(ms(610)).await;
+    let writes: Vec<Vec<i64>> = h.writes().into_iter().map(|w| w.1).collect();
+    assert_eq!(writes[1], vec![3, 4, 5, 6, 7]);
+    assert_eq!(writes[2], vec![3, 6, 7, 8, 9, 10, 11]);
+    assert_eq!(
+        h.holds(),
+        vec![Some(0), Some(0), Some(1)],
+        "at 600 ms, 3 (held at 0) is past its age; 6 and 7 (held at 300) are not"
+    );
+    h.until(ms(910)).await;
+    assert_eq!(committed(&h).last(), Some(&vec![(tp(0), 12)]));
+    h.stop().await;
+}
+
+/// A batch that would take the held trades past `batch.hold_trades`
+/// writes everything.
+#[tokio::test(start_paused = true)]
+async fn held_trades_stay_within_their_bound() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            hold_trades: Some(7),
+            write_delay: ms(10),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.end(0, 100);
+    h.hold([2, 3]);
+    h.send(0, 0..4, true);
+    h.until(ms(15)).await;
+    h.hold([2, 3, 6, 7]);
+    h.send(0, 4..8, true);
+    h.until(ms(30)).await;
+    h.send(0, 8..12, true);
+    h.until(ms(45)).await;
+    let writes: Vec<Vec<i64>> = h.writes().into_iter().map(|w| w.1).collect();
+    assert_eq!(writes[1], vec![2, 3, 4, 5, 6, 7], "6 events: within 7");
+    assert_eq!(writes[2], vec![2, 3, 6, 7, 8, 9, 10, 11], "8 would not be");
+    assert_eq!(h.holds(), vec![Some(0), Some(0), None]);
+    assert_eq!(committed(&h).last(), Some(&vec![(tp(0), 12)]));
+    h.stop().await;
 }

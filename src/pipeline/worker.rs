@@ -190,6 +190,8 @@ pub(crate) struct Worker<I, B, D> {
     /// When the oldest queued batch, already reserved under the rate
     /// limit, may go to the stage.
     write_at: Option<TokioInstant>,
+    /// Since when the stage, holding trades, has had nothing to write.
+    idle_since: Option<TokioInstant>,
 }
 
 impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
@@ -226,6 +228,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             consumer_error_log: Throttle::hot_path(),
             rate_limit: RateLimit::new(settings.rate_limit.events_per_second),
             write_at: None,
+            idle_since: None,
             settings,
         }
     }
@@ -253,10 +256,11 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             } else {
                 self.close();
             }
-            if let Some((stage, batch, forget)) = self.dispatch() {
-                writing = Some(Box::pin(stage.handle(batch, forget)));
+            self.flush_held();
+            if let Some((stage, batch, forget, hold)) = self.dispatch() {
+                writing = Some(Box::pin(stage.handle(batch, forget, hold)));
             }
-            if !running && self.stage.is_some() && self.queued.is_empty() {
+            if !running && self.stage_free() {
                 break;
             }
             let polling = running && self.hold_or_release();
@@ -268,6 +272,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                 _ = sleep_until(deadline) => Wake::DrainOver,
                 _ = sleep_until(self.write_at) => Wake::Tick,
                 _ = sleep_until(self.pause_due()), if running => Wake::Tick,
+                _ = sleep_until(self.flush_due()), if running => Wake::Tick,
                 r = self.intake.recv(), if polling => Wake::Received(r),
                 _ = ticker.tick() => Wake::Tick,
             };
@@ -426,11 +431,54 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         let decoding = TokioInstant::now();
         let decoded = decode_batch(&open.records, &self.mappings, max_bytes);
         self.observe_stage(DelayStage::Decode, decoding.elapsed());
+        let backlog = self.backlog();
         self.queued.push_back(Closed {
             records: open.records,
             decoded,
             closed: TokioInstant::now(),
+            backlog,
         });
+    }
+
+    /// Whether at least a full batch (`batch.max_events`) more is waiting
+    /// in Kafka for the assigned partitions, past what was consumed: the
+    /// end offsets are the client's last word from the broker, so this
+    /// costs no request. Under such a backlog a batch may hold back its
+    /// customers' partial buckets: the next batch is already there.
+    fn backlog(&self) -> bool {
+        let waiting: i64 = self
+            .assignment
+            .iter()
+            .filter_map(|tp| {
+                let end = self.intake.end_offset(tp)?;
+                Some((end - self.tracker.next_to_consume(tp)?).max(0))
+            })
+            .sum();
+        waiting >= self.settings.batch.max_events as i64
+    }
+
+    /// Queues a batch of no records when held trades would otherwise wait:
+    /// the stage is idle with nothing to write and the open batch stays
+    /// empty for `batch.linger`, or the loop no longer takes records
+    /// (shutdown, a fatal error). It is dispatched at once: nothing else
+    /// is queued.
+    fn flush_held(&mut self) {
+        let idle = self.stage_free() && self.open.records.is_empty();
+        if !idle || !self.stage.as_ref().is_some_and(|s| s.holds()) {
+            self.idle_since = None;
+            return;
+        }
+        let since = *self.idle_since.get_or_insert_with(TokioInstant::now);
+        if self.phase.running() && since.elapsed() < self.settings.batch.linger {
+            return;
+        }
+        self.idle_since = None;
+        self.queued.push_back(Closed::flush());
+    }
+
+    /// When an idle loop flushes its held trades (see `flush_held`).
+    fn flush_due(&self) -> Option<TokioInstant> {
+        self.idle_since.map(|t| t + self.settings.batch.linger)
     }
 
     /// The one place a batch goes to the write stage, oldest first, once
@@ -439,14 +487,21 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// holds the consumer as for any other backpressure (`hold_or_release`:
     /// partitions paused and the consumer polled after the grace), so a low
     /// limit never costs a rebalance.
-    fn dispatch(&mut self) -> Option<(Stage<B, D>, Closed, bool)> {
+    ///
+    /// The batch may hold trades back if it closed under a backlog and
+    /// neither a revocation nor shutdown came since: a revoked partition's
+    /// trades are written now, for the new owner's sake, and so are all of
+    /// them when the loop stops.
+    fn dispatch(&mut self) -> Option<(Stage<B, D>, Closed, bool, bool)> {
         if self.stage.is_none() || !self.rate_limit_passed()? {
             return None;
         }
         let stage = self.stage.take()?;
         let batch = self.queued.pop_front()?;
         self.observe_stage(DelayStage::Queued, batch.closed.elapsed());
-        Some((stage, batch, std::mem::take(&mut self.forget)))
+        let forget = std::mem::take(&mut self.forget);
+        let hold = batch.backlog && !forget && self.phase.running();
+        Some((stage, batch, forget, hold))
     }
 
     /// Whether the oldest queued batch may be written now; `None` if

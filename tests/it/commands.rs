@@ -90,7 +90,10 @@ async fn write(
     events: &[(Trade, Source)],
 ) -> (Vec<Outcome>, WriteStats) {
     let mut outcomes = vec![Outcome::Pending; events.len()];
-    let stats = writer.write(events, &mut outcomes).await.expect("write");
+    let stats = writer
+        .write(events, &mut outcomes, None)
+        .await
+        .expect("write");
     (outcomes, stats)
 }
 

@@ -84,7 +84,10 @@ async fn refused_new_buckets(sharded: bool) {
         }
     }
     let mut outcomes = vec![Outcome::Pending; first.len()];
-    writer.write(&first, &mut outcomes).await.expect("batch A");
+    writer
+        .write(&first, &mut outcomes, None)
+        .await
+        .expect("batch A");
     assert!(outcomes.iter().all(|o| *o == Outcome::Written));
 
     // Batch B: a duplicate of each customer's first trade (in its older
@@ -113,7 +116,10 @@ async fn refused_new_buckets(sharded: bool) {
         }
     }
     let mut outcomes = vec![Outcome::Pending; second.len()];
-    let stats = writer.write(&second, &mut outcomes).await.expect("batch B");
+    let stats = writer
+        .write(&second, &mut outcomes, None)
+        .await
+        .expect("batch B");
     assert_eq!(outcomes, expected);
     assert_eq!(stats.rounds, 2, "{stats:?}");
     assert_eq!(stats.conflicts, customers.len(), "{stats:?}");
@@ -160,12 +166,15 @@ async fn offsets_going_backwards(sharded: bool) {
 
     let mut writer = BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());
     let mut outcomes = vec![Outcome::Pending; old.len()];
-    writer.write(&old, &mut outcomes).await.expect("old topic");
+    writer
+        .write(&old, &mut outcomes, None)
+        .await
+        .expect("old topic");
     assert!(outcomes.iter().all(|o| *o == Outcome::Written));
 
     let mut outcomes = vec![Outcome::Pending; reborn.len()];
     let stats = writer
-        .write(&reborn, &mut outcomes)
+        .write(&reborn, &mut outcomes, None)
         .await
         .expect("new topic");
     assert_eq!(outcomes, vec![Outcome::Written; reborn.len()]);
@@ -173,7 +182,10 @@ async fn offsets_going_backwards(sharded: bool) {
 
     let mut cold = BucketWriter::new(store, CAPACITY, 10_000, Metrics::new());
     let mut outcomes = vec![Outcome::Pending; old.len()];
-    let stats = cold.write(&old, &mut outcomes).await.expect("redelivery");
+    let stats = cold
+        .write(&old, &mut outcomes, None)
+        .await
+        .expect("redelivery");
     assert_eq!(outcomes, vec![Outcome::AlreadyApplied; old.len()]);
     assert_eq!(stats.below_watermark_unstored, 0, "{stats:?}");
 
@@ -205,7 +217,10 @@ async fn a_refused_event_among_twenty_thousand_costs_a_logarithmic_number_of_wri
         })
         .collect();
     let mut outcomes = vec![Outcome::Pending; events.len()];
-    writer.write(&events, &mut outcomes).await.expect("batch");
+    writer
+        .write(&events, &mut outcomes, None)
+        .await
+        .expect("batch");
     let refused: Vec<usize> = outcomes
         .iter()
         .enumerate()
@@ -309,7 +324,7 @@ async fn a_bucket_whose_count_is_not_whole_dead_letters_only_its_customer() {
     let mut cold = BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());
     let batch = round(1);
     let mut outcomes = vec![Outcome::Pending; batch.len()];
-    cold.write(&batch, &mut outcomes)
+    cold.write(&batch, &mut outcomes, None)
         .await
         .expect("no endless retry");
     for (i, o) in outcomes.iter().enumerate() {
@@ -406,7 +421,7 @@ async fn bucket_ids(env: &TestEnv, customer: i64) -> Vec<String> {
 /// Writes `batch`, which must be written whole.
 async fn write_all(w: &mut BucketWriter, batch: Vec<(Trade, Source)>) -> WriteStats {
     let mut outcomes = vec![Outcome::Pending; batch.len()];
-    let stats = w.write(&batch, &mut outcomes).await.expect("write");
+    let stats = w.write(&batch, &mut outcomes, None).await.expect("write");
     assert!(outcomes.iter().all(|o| *o == Outcome::Written));
     stats
 }
@@ -484,7 +499,10 @@ async fn six_mib_trades_close_buckets_by_size_instead_of_failing() {
 
     for batch in [&split[..3], &split[3..], &whole[..]] {
         let mut outcomes = vec![Outcome::Pending; batch.len()];
-        writer.write(batch, &mut outcomes).await.expect("batch");
+        writer
+            .write(batch, &mut outcomes, None)
+            .await
+            .expect("batch");
         assert_eq!(outcomes, vec![Outcome::Written; batch.len()]);
     }
 
@@ -552,7 +570,10 @@ async fn writers_with_capacities_10_and_20_fill_each_bucket_to_its_own() {
             n = (n * 5 + 3) % 7;
             let (batch, later) = rest.split_at((n + 1).min(rest.len()));
             let mut outcomes = vec![Outcome::Pending; batch.len()];
-            writer.write(batch, &mut outcomes).await.expect("batch");
+            writer
+                .write(batch, &mut outcomes, None)
+                .await
+                .expect("batch");
             assert_eq!(outcomes, vec![Outcome::Written; batch.len()]);
             rest = later;
         }

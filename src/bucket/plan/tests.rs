@@ -807,3 +807,139 @@ proptest! {
         prop_assert_eq!(stored, sent);
     }
 }
+
+/// Trades `0..n` of customer 5, one second apart, all on partition 0.
+fn run_of(n: usize, pad: usize) -> (Vec<Trade>, Vec<Source>) {
+    let trades = (0..n)
+        .map(|i| sized_trade(5, &format!("k{i}"), 1_000 + i as i64, "MDB", pad))
+        .collect();
+    let sources = (0..n).map(|i| src(0, i as i64)).collect();
+    (trades, sources)
+}
+
+fn plan_holding(head: Option<&BucketHead>, events: &[Event<'_>], limits: Limits) -> CustomerPlan {
+    let known = Known::default();
+    plan_customer_owned(
+        &CustomerId::Int(5),
+        head.cloned(),
+        events,
+        &known,
+        limits,
+        true,
+    )
+}
+
+#[test]
+fn holding_leaves_out_a_last_bucket_that_would_not_be_full() {
+    let (trades, sources) = run_of(23, 0);
+    let events = events_of(&trades, &sources);
+    let head = head_of("5_0000000900", 7, 10);
+    let plan = plan_holding(Some(&head), &events, cap(10));
+    // 3 fill the open bucket, 20 go into two full new ones; nothing held.
+    assert_eq!(plan.fill.as_ref().map(|f| f.events.len()), Some(3));
+    assert_eq!(plan.new_buckets.len(), 2);
+    assert!(plan.held.is_empty());
+
+    let plan = plan_holding(Some(&head), &events[..18], cap(10));
+    assert_eq!(plan.fill.as_ref().map(|f| f.events.len()), Some(3));
+    assert_eq!(plan.new_buckets.len(), 1, "the full one only");
+    assert_eq!(plan.held, (13..18).collect::<Vec<_>>());
+    let after = plan.after.expect("a newest bucket");
+    assert_eq!(
+        (after.id.as_str(), after.count),
+        (plan.new_buckets[0].id.as_str(), 10)
+    );
+}
+
+#[test]
+fn holding_leaves_out_a_fill_that_would_not_fill_the_bucket() {
+    let (trades, sources) = run_of(2, 0);
+    let events = events_of(&trades, &sources);
+    let head = head_of("5_0000000900", 7, 10);
+    let plan = plan_holding(Some(&head), &events, cap(10));
+    assert!(!plan.has_writes());
+    assert_eq!(plan.held, vec![0, 1]);
+    assert_eq!(plan.after, Some(head.clone()), "the head as it was");
+    // Three fill it: written.
+    let (trades, sources) = run_of(3, 0);
+    let events = events_of(&trades, &sources);
+    let plan = plan_holding(Some(&head), &events, cap(10));
+    assert_eq!(plan.fill.map(|f| f.events), Some(vec![0, 1, 2]));
+    assert!(plan.held.is_empty());
+    // A customer's first trades: held until a bucket's worth.
+    let plan = plan_holding(None, &events, cap(10));
+    assert!(!plan.has_writes());
+    assert_eq!((plan.held, plan.after), (vec![0, 1, 2], None));
+}
+
+#[test]
+fn holding_counts_a_bucket_closed_by_size_as_full() {
+    // Entries of about 3 MiB: the third closes a bucket by size, well
+    // below its count.
+    let (trades, sources) = run_of(3, 3 << 20);
+    let events = events_of(&trades, &sources);
+    let plan = plan_holding(None, &events, cap(10));
+    assert_eq!(plan.new_buckets.len(), 1);
+    assert_eq!(plan.new_buckets[0].events.len(), 3);
+    assert!(plan.held.is_empty());
+    let mut head = head_of("5_0000000900", 1, 10);
+    head.size = Some(Size {
+        bytes: size::CAP_BYTES - 100,
+        cap_bytes: size::CAP_BYTES,
+    });
+    let plan = plan_holding(Some(&head), &events[..1], cap(10));
+    assert_eq!(
+        plan.fill.map(|f| f.events),
+        Some(vec![0]),
+        "it fills it up by size"
+    );
+}
+
+proptest! {
+    /// Holding writes exactly what the plan without it writes first, and
+    /// only whole buckets; the held events are the rest, a tail of the
+    /// accepted ones. So a later plan of the held events with the next
+    /// ones continues as one plan of them all would.
+    #[test]
+    fn holding_writes_a_prefix_of_whole_buckets(
+        count in 0u32..12,
+        open in proptest::bool::ANY,
+        n in 1usize..40,
+        dup_every in 2usize..9,
+        capacity in 1u32..12,
+    ) {
+        let (mut trades, sources) = run_of(n, 0);
+        for (i, t) in trades.iter_mut().enumerate() {
+            if i % dup_every == 0 && i > 0 {
+                t.key = "k0".into(); // an in-batch duplicate
+            }
+        }
+        let events = events_of(&trades, &sources);
+        let head = open.then(|| head_of("5_0000000900", count.min(capacity), capacity));
+        let known = Known::default();
+        let c = CustomerId::Int(5);
+        let all = plan_customer_owned(&c, head.clone(), &events, &known, cap(capacity), false);
+        let held = plan_customer_owned(&c, head.clone(), &events, &known, cap(capacity), true);
+        prop_assert_eq!(&held.duplicates, &all.duplicates);
+        prop_assert_eq!(&held.already_applied, &all.already_applied);
+        let written = held.new_buckets.len();
+        prop_assert_eq!(&held.new_buckets[..], &all.new_buckets[..written]);
+        for b in &held.new_buckets {
+            prop_assert_eq!(b.events.len(), capacity as usize, "only full buckets");
+        }
+        match (&held.fill, &all.fill) {
+            (Some(h), Some(a)) => {
+                prop_assert_eq!(h, a);
+                prop_assert_eq!(h.expected_count as usize + h.events.len(), capacity as usize);
+            }
+            (None, a) => prop_assert!(a.is_none() || written == 0),
+            (Some(_), None) => prop_assert!(false, "a fill the plan without hold lacks"),
+        }
+        let mut placed: Vec<usize> = held.fill.iter().flat_map(|f| f.events.clone()).collect();
+        placed.extend(held.new_buckets.iter().flat_map(|b| b.events.clone()));
+        let mut accepted: Vec<usize> = all.fill.iter().flat_map(|f| f.events.clone()).collect();
+        accepted.extend(all.new_buckets.iter().flat_map(|b| b.events.clone()));
+        placed.extend(&held.held);
+        prop_assert_eq!(placed, accepted, "held: the tail of the accepted events, in order");
+    }
+}

@@ -352,26 +352,42 @@ type Claims = Arc<Mutex<Vec<(String, Outcome)>>>;
 
 /// One writer's whole life: its batches in order, each retried until
 /// settled; `committed` counts the batches done (a restart resumes there).
+/// With `hold`, every batch but the last may hold trades back, as the
+/// worker does under a backlog: they are written first in the next batch,
+/// and the commit stops at the oldest batch with a trade still held.
 fn writing(
     db: ModelDb,
     batches: Vec<Vec<Sent>>,
     committed: Arc<Mutex<usize>>,
     claims: Claims,
     capacity: u32,
+    hold: bool,
 ) -> Pin<Box<dyn Future<Output = ()>>> {
     Box::pin(async move {
         let mut writer = BucketWriter::new(db, capacity, 100, Metrics::new());
         let from = *committed.lock().unwrap();
-        for batch in &batches[from..] {
-            let mut outcomes = vec![Outcome::Pending; batch.len()];
+        // Held trades, each with the batch it came in.
+        let mut held: Vec<(Sent, usize)> = Vec::new();
+        for (k, batch) in batches.iter().enumerate().skip(from) {
+            let mut events: Vec<(Sent, usize)> = std::mem::take(&mut held);
+            events.extend(batch.iter().map(|e| (e.clone(), k)));
+            let sent: Vec<Sent> = events.iter().map(|(e, _)| e.clone()).collect();
+            let may_hold = (hold && k + 1 < batches.len()).then_some(0);
+            let mut outcomes = vec![Outcome::Pending; sent.len()];
             let mut attempts = 0;
-            while writer.write(batch, &mut outcomes).await.is_err() {
+            while writer.write(&sent, &mut outcomes, may_hold).await.is_err() {
                 attempts += 1;
                 assert!(attempts < 20, "a batch never settles");
             }
             let mut claims = claims.lock().unwrap();
-            claims.extend(batch.iter().map(|(t, _)| t.key.clone()).zip(outcomes));
-            *committed.lock().unwrap() += 1;
+            for ((event, at), outcome) in events.into_iter().zip(outcomes) {
+                match outcome {
+                    Outcome::Held => held.push((event, at)),
+                    o => claims.push((event.0.key, o)),
+                }
+            }
+            let oldest_held = held.first().map(|(_, at)| *at);
+            *committed.lock().unwrap() = oldest_held.unwrap_or(k + 1);
         }
     })
 }
@@ -384,6 +400,7 @@ fn run(
     parts: &[Vec<Sent>; 2],
     schedule: &[(usize, bool)],
     capacity: u32,
+    hold: bool,
 ) -> Claims {
     let claims = Claims::default();
     let plans: Vec<Plan> = readers
@@ -401,6 +418,7 @@ fn run(
             plans[w].1.clone(),
             claims.clone(),
             capacity,
+            hold,
         )
     };
     let mut tasks: Vec<Option<Pin<Box<dyn Future<Output = ()>>>>> =
@@ -480,18 +498,19 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 
     /// Two owners, perhaps a zombie, one shared database, statements
-    /// interleaved at random, crashes at random: every trade claimed
-    /// stored is stored once, in its customer's buckets, and in the end
-    /// every trade sent is.
+    /// interleaved at random, crashes at random, trades held back between
+    /// batches or not: every trade claimed stored is stored once, in its
+    /// customer's buckets, and in the end every trade sent is.
     #[test]
     fn interleaved_writers_store_every_trade_once(
         parts in streams(),
         readers in readers(),
         schedule in proptest::collection::vec((0usize..3, proptest::bool::weighted(0.02)), 0..400),
         capacity in 1u32..5,
+        hold in proptest::bool::ANY,
     ) {
         let db = ModelDb::default();
-        let claims = run(&db, &readers, &parts, &schedule, capacity);
+        let claims = run(&db, &readers, &parts, &schedule, capacity, hold);
         let db = db.db();
         let stored = stored(&db);
         for (key, outcome) in claims.lock().unwrap().iter() {
@@ -536,7 +555,7 @@ fn a_lone_writer_reads_each_head_once() {
     };
     let mut write = |events: Vec<Sent>| {
         let mut outcomes = vec![Outcome::Pending; events.len()];
-        let stats = futures::executor::block_on(writer.write(&events, &mut outcomes))
+        let stats = futures::executor::block_on(writer.write(&events, &mut outcomes, None))
             .expect("the model never fails a request");
         (stats.heads_loaded, outcomes)
     };

@@ -36,6 +36,8 @@ pub(super) struct Ledger<'a> {
     pub(super) loaded: HashSet<CustomerId>,
     /// Customers whose newest bucket we cannot plan against, this call.
     pub(super) unreadable: HashMap<CustomerId, UnreadableBucket>,
+    /// The call's `hold` (see `BucketWriter::write`).
+    pub(super) hold_from: Option<usize>,
     pub(super) stats: WriteStats,
 }
 
@@ -63,8 +65,18 @@ impl<'a> Ledger<'a> {
             verified_cached: HashSet::new(),
             loaded: HashSet::new(),
             unreadable: HashMap::new(),
+            hold_from: None,
             stats,
         }
+    }
+
+    /// Whether `customer`, whose events are `idx`, may hold back a partial
+    /// bucket: the call allows it from its first event on, and MongoDB has
+    /// not refused one of its writes (isolating the offender writes a few
+    /// events at a time, whatever they fill).
+    pub(super) fn may_hold(&self, customer: &CustomerId, idx: &[usize]) -> bool {
+        let first = idx.first().copied().unwrap_or(0);
+        self.hold_from.is_some_and(|from| first >= from) && !self.isolate.contains_key(customer)
     }
 
     /// Dead-letters every pending event of a customer whose newest bucket
