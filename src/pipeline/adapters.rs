@@ -102,26 +102,6 @@ fn commit_async(consumer: &StreamConsumer<ConsumerCtx>) -> Result<(), KafkaError
     }
 }
 
-/// The end offset librdkafka last heard for a partition, from its fetch
-/// replies (each carries the partition's high watermark): no request is
-/// sent. The rdkafka crate only offers `fetch_watermarks`, a round trip to
-/// the broker.
-fn cached_end_offset(consumer: &StreamConsumer<ConsumerCtx>, tp: &TopicPartition) -> Option<i64> {
-    use rdkafka::bindings as rd;
-    let topic = std::ffi::CString::new(tp.0.as_bytes()).ok()?;
-    let (mut low, mut high) = (0i64, 0i64);
-    // SAFETY: `rk` is the handle of a consumer that lives through this
-    // call; `topic` is a NUL-terminated string that outlives it, and `low`
-    // and `high` are valid for writes. librdkafka only reads its cached
-    // partition state here (`rd_kafka_get_watermark_offsets`).
-    let err = unsafe {
-        let rk = consumer.client().native_ptr();
-        rd::rd_kafka_get_watermark_offsets(rk, topic.as_ptr(), tp.1, &mut low, &mut high)
-    };
-    // An unknown offset is RD_KAFKA_OFFSET_INVALID (-1001).
-    (RDKafkaErrorCode::from(err) == RDKafkaErrorCode::NoError && high >= 0).then_some(high)
-}
-
 /// The shared name of `topic` among those read so far. A worker reads a few
 /// topics at most, so a scan beats a map.
 fn shared(topics: &mut Vec<Arc<str>>, topic: &str) -> Arc<str> {
@@ -220,10 +200,6 @@ impl Intake for KafkaIntake {
     fn leave(&mut self) {
         // Closing the consumer (on drop) then leaves the group.
         self.consumer.unsubscribe();
-    }
-
-    fn end_offset(&self, tp: &TopicPartition) -> Option<i64> {
-        cached_end_offset(&self.consumer, tp)
     }
 }
 

@@ -118,11 +118,6 @@ pub(crate) trait Intake {
 
     /// Leaves the consumer group, so the partitions move on at once.
     fn leave(&mut self);
-
-    /// The partition's end offset (the offset the next produced record will
-    /// get) as the client last heard it from the broker, without asking;
-    /// `None` if it has not heard yet.
-    fn end_offset(&self, tp: &TopicPartition) -> Option<i64>;
 }
 
 /// Where trades go: the bucket writer.

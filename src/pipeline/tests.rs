@@ -43,8 +43,6 @@ struct Seen {
     left: bool,
     /// Each write attempt's `hold`.
     holds: Vec<Option<usize>>,
-    /// Partitions' end offsets, as the client last heard them.
-    ends: BTreeMap<TopicPartition, i64>,
     /// Offsets the bucket writer holds, each the first time a write lets
     /// it (as often as it is listed).
     to_hold: Vec<i64>,
@@ -130,10 +128,6 @@ impl Intake for FakeIntake {
 
     fn leave(&mut self) {
         self.seen.lock().unwrap().left = true;
-    }
-
-    fn end_offset(&self, tp: &TopicPartition) -> Option<i64> {
-        self.seen.lock().unwrap().ends.get(tp).copied()
     }
 }
 
@@ -355,11 +349,6 @@ impl Harness {
     /// it.
     fn hold(&self, offsets: impl IntoIterator<Item = i64>) {
         self.seen.lock().unwrap().to_hold = offsets.into_iter().collect();
-    }
-
-    /// The client hears that `partition` ends at `end`.
-    fn end(&self, partition: i32, end: i64) {
-        self.seen.lock().unwrap().ends.insert(tp(partition), end);
     }
 
     fn holds(&self) -> Vec<Option<usize>> {
@@ -1007,8 +996,8 @@ fn committed(h: &Harness) -> Vec<Vec<(TopicPartition, i64)>> {
     h.commits().into_iter().map(|c| c.1).collect()
 }
 
-/// Under a backlog (a full batch more waiting in Kafka), a batch may hold
-/// trades back; their offsets are committed only once a later batch has
+/// Under a backlog (the batch filled to its bound before the stage was
+/// free), a batch may hold trades back; their offsets are committed only once a later batch has
 /// written them, first among its own, and the batch that closes without a
 /// backlog writes them all.
 #[tokio::test(start_paused = true)]
@@ -1021,7 +1010,6 @@ async fn held_trades_are_committed_only_once_a_later_batch_writes_them() {
         },
         &[0],
     );
-    h.end(0, 100);
     h.hold([2, 3, 7]);
     h.send(0, 0..4, true);
     h.until(ms(15)).await;
@@ -1033,7 +1021,6 @@ async fn held_trades_are_committed_only_once_a_later_batch_writes_them() {
     assert_eq!(h.holds()[1], Some(0), "a fresh hold may be held again");
     assert_eq!(committed(&h)[1], vec![(tp(0), 7)]);
     // The backlog is over: the next batch writes everything.
-    h.end(0, 9);
     h.send(0, [8], true);
     h.until(ms(50)).await;
     assert_eq!(h.writes()[2].1, vec![7, 8]);
@@ -1042,8 +1029,8 @@ async fn held_trades_are_committed_only_once_a_later_batch_writes_them() {
     h.stop().await;
 }
 
-/// Without a full batch more waiting in Kafka nothing is held: a light load
-/// is written and committed whole.
+/// A batch that closes before it is full (the consumer had nothing more
+/// queued) holds nothing back: a light load is written and committed whole.
 #[tokio::test(start_paused = true)]
 async fn without_a_backlog_nothing_is_held() {
     let h = Harness::start(
@@ -1051,17 +1038,13 @@ async fn without_a_backlog_nothing_is_held() {
             max_events: Some(4),
             ..Options::default()
         },
-        &[0, 1],
+        &[0],
     );
-    // 3 waiting past partition 0's last record and none on partition 1
-    // (never read): less than a batch.
-    h.end(0, 7);
-    h.end(1, 50);
     h.hold([1]);
-    h.send(0, 0..4, true);
+    h.send(0, 0..3, true);
     h.until(ms(5)).await;
     assert_eq!(h.holds(), vec![None]);
-    assert_eq!(committed(&h), vec![vec![(tp(0), 4)]]);
+    assert_eq!(committed(&h), vec![vec![(tp(0), 3)]]);
     h.stop().await;
 }
 
@@ -1076,7 +1059,6 @@ async fn an_idle_worker_writes_its_held_trades_after_the_linger() {
         },
         &[0],
     );
-    h.end(0, 100);
     h.hold([2, 3]);
     h.send(0, 0..4, true);
     h.until(ms(40)).await;
@@ -1098,7 +1080,6 @@ async fn shutdown_writes_the_held_trades_before_the_last_commit() {
         },
         &[0],
     );
-    h.end(0, 100);
     h.hold([3]);
     h.send(0, 0..4, true);
     h.until(ms(1)).await;
@@ -1122,8 +1103,6 @@ async fn after_a_revocation_the_next_batch_holds_nothing() {
         },
         &[0, 1],
     );
-    h.end(0, 100);
-    h.end(1, 100);
     h.hold([2, 3]);
     h.send(0, 0..4, true);
     h.until(ms(5)).await;
@@ -1154,7 +1133,6 @@ async fn a_trade_held_past_its_age_is_written_by_the_next_batch() {
         },
         &[0],
     );
-    h.end(0, 100);
     h.hold([3, 6, 7, 3]);
     // Written at 0, 300 and 600 ms: the backlog never leaves the stage idle.
     h.send(0, 0..12, true);
@@ -1185,7 +1163,6 @@ async fn held_trades_stay_within_their_bound() {
         },
         &[0],
     );
-    h.end(0, 100);
     h.hold([2, 3]);
     h.send(0, 0..4, true);
     h.until(ms(15)).await;

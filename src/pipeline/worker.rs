@@ -413,6 +413,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         // backlog it fills to the same bound, so it is not grown by
         // doubling (a copy of every record so far at each step, and large
         // blocks freed and asked for again); under light load it is small.
+        // Full: it filled to its bound before the stage was free for it,
+        // so records come faster than they are written (a backlog).
+        let backlog = self.full();
         let next = Open {
             records: Vec::with_capacity(self.open.records.len()),
             ..Open::default()
@@ -431,30 +434,12 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         let decoding = TokioInstant::now();
         let decoded = decode_batch(&open.records, &self.mappings, max_bytes);
         self.observe_stage(DelayStage::Decode, decoding.elapsed());
-        let backlog = self.backlog();
         self.queued.push_back(Closed {
             records: open.records,
             decoded,
             closed: TokioInstant::now(),
             backlog,
         });
-    }
-
-    /// Whether at least a full batch (`batch.max_events`) more is waiting
-    /// in Kafka for the assigned partitions, past what was consumed: the
-    /// end offsets are the client's last word from the broker, so this
-    /// costs no request. Under such a backlog a batch may hold back its
-    /// customers' partial buckets: the next batch is already there.
-    fn backlog(&self) -> bool {
-        let waiting: i64 = self
-            .assignment
-            .iter()
-            .filter_map(|tp| {
-                let end = self.intake.end_offset(tp)?;
-                Some((end - self.tracker.next_to_consume(tp)?).max(0))
-            })
-            .sum();
-        waiting >= self.settings.batch.max_events as i64
     }
 
     /// Queues a batch of no records when held trades would otherwise wait:
