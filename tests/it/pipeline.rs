@@ -995,3 +995,77 @@ async fn peak_rss_kib(env: &TestEnv, vars: &BTreeMap<String, String>) -> u64 {
     assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
     peak
 }
+
+/// Under a backlog a customer's trades that would only part-fill a bucket
+/// wait for its next ones (`batch.hold_trades`), so buckets go in whole:
+/// far fewer fills than the same backlog written without holding. A kill
+/// while trades are held loses none of them: their offsets were not
+/// committed, and the restart writes them once, in stream order.
+#[tokio::test]
+async fn under_a_backlog_buckets_go_in_whole_and_a_crash_loses_no_held_trade() {
+    let env = TestEnv::new("hold", 2).await;
+    let events = stream(43, 4000, 40);
+    let produced = env.produce_json(&events).await;
+    // Capacity 10 and batches of 100 over 40 customers: 2.5 trades each
+    // per batch, so without holding nearly every batch fills every
+    // customer's open bucket.
+    let base = [
+        ("TRADEBUCKET__BUCKETS__CAPACITY", "10"),
+        ("TRADEBUCKET__BATCH__MAX_EVENTS", "100"),
+    ];
+    let fills = |hold: &'static str, group: String, collection: &'static str| {
+        let mut vars = base.to_vec();
+        let group_var = ("TRADEBUCKET__KAFKA__GROUP_ID", group.as_str());
+        vars.extend([("TRADEBUCKET__BATCH__HOLD_TRADES", hold), group_var]);
+        vars.push(("TRADEBUCKET__MONGODB__COLLECTION", collection));
+        let (env, worker) = (env.with_group(&group), Worker::spawn(env.settings(&vars)));
+        async move {
+            env.wait_committed_to_end(T).await;
+            worker.stop().await.bucket_updates.get()
+        }
+    };
+    let without = fills("0", format!("{}-nohold", env.group), "nohold").await;
+    let with = fills("100000", format!("{}-hold", env.group), "hold").await;
+    println!("fills: {with} holding, {without} without");
+    assert!(
+        without >= 500 && with * 10 <= without,
+        "fills: {with} holding, {without} without"
+    );
+
+    // Rate-limited to 1,000 trades a second, the backlog lasts 4 s, every
+    // batch fills to 100 and holds: killed in the middle of it.
+    let vars = env.vars(&[
+        base[0],
+        base[1],
+        ("TRADEBUCKET__RATE_LIMIT__EVENTS_PER_SECOND", "1000"),
+    ]);
+    let w = WorkerProcess::start(bin(), &vars, Log::Quiet);
+    eventually("trades written", T, || async {
+        env.histories().await.values().map(Vec::len).sum::<usize>() >= 1500
+    })
+    .await;
+    w.kill9();
+    let committed = env.committed();
+    let stored: HashSet<String> = env.histories().await.into_values().flatten().collect();
+    let mut beyond = 0;
+    for (&(p, o), e) in produced.iter().zip(&events) {
+        let key = format!("t:{}", e["tradeId"].as_str().unwrap());
+        let below = o < committed.get(&p).copied().unwrap_or(0);
+        assert!(
+            !below || stored.contains(&key),
+            "{key} committed, not stored"
+        );
+        beyond += usize::from(!below && stored.contains(&key));
+    }
+    assert!(beyond > 0, "commits lag the writes while trades are held");
+    // The killed member's session (10 s here) expires first (STACK.md).
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let w = WorkerProcess::start(bin(), &vars, Log::Quiet);
+    env.wait_committed_to_end(T).await;
+    w.signal(15);
+    assert_eq!(w.wait(Duration::from_secs(30)), Some(0));
+    let report = audit_clean(&env, 10).await;
+    assert_eq!(report.trades, 4000);
+    assert_eq!(env.histories().await, expected_histories(&events));
+    env.cleanup().await;
+}
