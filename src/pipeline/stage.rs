@@ -242,6 +242,8 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         held: Vec<(usize, (Trade, Source), TokioInstant)>,
     ) -> Vec<Record> {
         let mut done = Vec::with_capacity(records.len() - held.len());
+        // Exactly: held trades may stay for several batches.
+        self.held.reserve_exact(held.len());
         let mut held = held.into_iter().peekable();
         for (i, record) in records.into_iter().enumerate() {
             match held.next_if(|(at, ..)| *at == i) {

@@ -1049,9 +1049,11 @@ async fn without_a_backlog_nothing_is_held() {
 }
 
 /// Held trades never wait on an idle worker: once it has had nothing to
-/// write for `batch.linger`, they are written alone.
+/// write for `batch.linger` and two fetch waits (50 + 2 × 100 ms here),
+/// they are written alone. A shorter gap, as a broker that holds fetches
+/// leaves mid-backlog, writes nothing early.
 #[tokio::test(start_paused = true)]
-async fn an_idle_worker_writes_its_held_trades_after_the_linger() {
+async fn an_idle_worker_writes_its_held_trades_after_two_fetch_waits() {
     let h = Harness::start(
         Options {
             max_events: Some(4),
@@ -1059,14 +1061,24 @@ async fn an_idle_worker_writes_its_held_trades_after_the_linger() {
         },
         &[0],
     );
-    h.hold([2, 3]);
+    h.hold([2, 3, 6, 7]);
     h.send(0, 0..4, true);
-    h.until(ms(40)).await;
-    assert_eq!(h.writes().len(), 1);
-    h.until(ms(60)).await;
-    assert_eq!(h.writes()[1], (LINGER, vec![2, 3]));
-    assert_eq!(h.holds()[1], None);
-    assert_eq!(committed(&h), vec![vec![(tp(0), 2)], vec![(tp(0), 4)]]);
+    h.until(ms(200)).await;
+    assert_eq!(h.writes().len(), 1, "a 200 ms gap is not the end");
+    h.send(0, 4..8, true);
+    h.until(ms(210)).await;
+    assert_eq!(h.writes()[1], (ms(200), vec![2, 3, 4, 5, 6, 7]));
+    assert_eq!(h.holds()[1], Some(0));
+    h.until(ms(449)).await;
+    assert_eq!(h.writes().len(), 2);
+    h.until(ms(460)).await;
+    assert_eq!(h.writes()[2], (ms(450), vec![6, 7]));
+    assert_eq!(h.holds()[2], None);
+    let all = committed(&h);
+    assert_eq!(
+        all,
+        vec![vec![(tp(0), 2)], vec![(tp(0), 6)], vec![(tp(0), 8)]]
+    );
     h.stop().await;
 }
 

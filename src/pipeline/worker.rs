@@ -444,9 +444,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
 
     /// Queues a batch of no records when held trades would otherwise wait:
     /// the stage is idle with nothing to write and the open batch stays
-    /// empty for `batch.linger`, or the loop no longer takes records
-    /// (shutdown, a fatal error). It is dispatched at once: nothing else
-    /// is queued.
+    /// empty for [`Self::idle_flush_after`], or the loop no longer takes
+    /// records (shutdown, a fatal error). It is dispatched at once:
+    /// nothing else is queued.
     fn flush_held(&mut self) {
         let idle = self.stage_free() && self.open.records.is_empty();
         if !idle || !self.stage.as_ref().is_some_and(|s| s.holds()) {
@@ -454,16 +454,29 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             return;
         }
         let since = *self.idle_since.get_or_insert_with(TokioInstant::now);
-        if self.phase.running() && since.elapsed() < self.settings.batch.linger {
+        if self.phase.running() && since.elapsed() < self.idle_flush_after() {
             return;
         }
         self.idle_since = None;
         self.queued.push_back(Closed::flush());
     }
 
+    /// How long the loop has nothing to write before it writes its held
+    /// trades: two fetch waits and the linger. A broker answers a fetch as
+    /// soon as it has data and holds it at most `kafka.fetch_wait_max`
+    /// when it has none, so a whole wait without a record means the
+    /// backlog is over; the local stand-in holds every fetch to the end of
+    /// the wait, so a gap of up to two waits is normal there mid-backlog.
+    /// At `batch.linger` alone, such gaps wrote every held trade as a
+    /// part-filled bucket twice in a million-event backlog (21,000 fills
+    /// later completing them).
+    fn idle_flush_after(&self) -> Duration {
+        self.settings.batch.linger + 2 * self.settings.kafka.fetch_wait_max
+    }
+
     /// When an idle loop flushes its held trades (see `flush_held`).
     fn flush_due(&self) -> Option<TokioInstant> {
-        self.idle_since.map(|t| t + self.settings.batch.linger)
+        self.idle_since.map(|t| t + self.idle_flush_after())
     }
 
     /// The one place a batch goes to the write stage, oldest first, once
