@@ -233,9 +233,10 @@ pub struct BatchSettings {
     /// `max_bytes`. One batch is written at a time; the others are filled
     /// and decoded meanwhile. 1 is the sequential loop.
     pub max_in_flight: usize,
-    /// Under a backlog, trades that would only part-fill a bucket wait for
-    /// the customer's next trades in a later batch, at most this many at
-    /// once; 0 never holds a trade.
+    /// Under a backlog (a batch filled to its bound), trades that would
+    /// only part-fill a bucket wait for the customer's next trades in a
+    /// later batch; a batch whose events and held trades together exceed
+    /// this writes everything. 0 never holds a trade.
     pub hold_trades: usize,
     /// A held trade is written with the first batch at least this long
     /// after it was first held, whatever that batch holds.
