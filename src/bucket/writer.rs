@@ -131,8 +131,7 @@ impl<S: BucketDb> BucketWriter<S> {
         hold: Option<usize>,
     ) -> Result<WriteStats, StoreError> {
         assert_eq!(events.len(), outcomes.len(), "one outcome per event");
-        let mut ledger = Ledger::new(events, outcomes);
-        ledger.hold_from = hold;
+        let mut ledger = Ledger::new(events, outcomes, hold);
         let result = self.rounds(&mut ledger).await;
         if result.is_err() {
             // Whatever we were doing, we no longer know the state of these

@@ -25,6 +25,7 @@ use crate::retry::Backoff;
 use crate::throttle::Throttle;
 
 /// A batch's events after decoding.
+#[derive(Default)]
 pub struct Decoded {
     pub events: Vec<(Trade, Source)>,
     /// For each event, the index of its record in the batch.
@@ -38,16 +39,6 @@ impl Decoded {
     /// limit counts).
     pub fn events(&self) -> usize {
         self.events.len()
-    }
-}
-
-impl Decoded {
-    fn empty() -> Decoded {
-        Decoded {
-            events: Vec::new(),
-            record_of: Vec::new(),
-            dead: Vec::new(),
-        }
     }
 }
 
@@ -68,7 +59,7 @@ impl Closed {
     pub fn flush() -> Closed {
         Closed {
             records: Vec::new(),
-            decoded: Decoded::empty(),
+            decoded: Decoded::default(),
             closed: TokioInstant::now(),
             backlog: false,
         }

@@ -409,13 +409,13 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         if self.open.records.is_empty() {
             return;
         }
+        // Full: it filled to its bound before the stage was free for it,
+        // so records come faster than they are written (a backlog).
+        let backlog = self.full();
         // The next batch starts with this one's size reserved: under a
         // backlog it fills to the same bound, so it is not grown by
         // doubling (a copy of every record so far at each step, and large
         // blocks freed and asked for again); under light load it is small.
-        // Full: it filled to its bound before the stage was free for it,
-        // so records come faster than they are written (a backlog).
-        let backlog = self.full();
         let next = Open {
             records: Vec::with_capacity(self.open.records.len()),
             ..Open::default()

@@ -37,14 +37,19 @@ pub(super) struct Ledger<'a> {
     /// Customers whose newest bucket we cannot plan against, this call.
     pub(super) unreadable: HashMap<CustomerId, UnreadableBucket>,
     /// The call's `hold` (see `BucketWriter::write`).
-    pub(super) hold_from: Option<usize>,
+    hold_from: Option<usize>,
     pub(super) stats: WriteStats,
 }
 
 impl<'a> Ledger<'a> {
     /// Every customer with an event not yet settled (a retried batch keeps
-    /// the outcomes of the failed call).
-    pub(super) fn new(events: &'a [(Trade, Source)], outcomes: &'a mut [Outcome]) -> Self {
+    /// the outcomes of the failed call). `hold_from`: the call's `hold`
+    /// (see `BucketWriter::write`).
+    pub(super) fn new(
+        events: &'a [(Trade, Source)],
+        outcomes: &'a mut [Outcome],
+        hold_from: Option<usize>,
+    ) -> Self {
         let mut pending: BTreeMap<CustomerId, Vec<usize>> = BTreeMap::new();
         for (i, (trade, _)) in events.iter().enumerate() {
             if !outcomes[i].is_final() {
@@ -65,7 +70,7 @@ impl<'a> Ledger<'a> {
             verified_cached: HashSet::new(),
             loaded: HashSet::new(),
             unreadable: HashMap::new(),
-            hold_from: None,
+            hold_from,
             stats,
         }
     }
