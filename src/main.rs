@@ -5,6 +5,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
@@ -100,21 +101,51 @@ fn init_logging(settings: &Settings) {
     }
 }
 
-async fn shutdown_signal(token: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing a SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
+/// SIGTERM and SIGINT, caught from the moment this returns. The worker
+/// installs them before it logs "starting": a handler installed later (by
+/// a task on its first poll, as before) left a window in which SIGTERM's
+/// default action ended the worker with no drain and no exit code.
+#[cfg(unix)]
+struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+#[cfg(unix)]
+impl StopSignals {
+    fn install() -> std::io::Result<StopSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(StopSignals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
     }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("shutdown requested: draining");
-    token.cancel();
+
+    /// Cancels `token` at the first of them.
+    async fn cancel_on_first(mut self, token: CancellationToken) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+        tracing::info!("shutdown requested: draining");
+        token.cancel();
+    }
+}
+
+#[cfg(not(unix))]
+struct StopSignals;
+
+#[cfg(not(unix))]
+impl StopSignals {
+    fn install() -> std::io::Result<StopSignals> {
+        Ok(StopSignals)
+    }
+
+    async fn cancel_on_first(self, token: CancellationToken) {
+        let _ = tokio::signal::ctrl_c().await;
+        tracing::info!("shutdown requested: draining");
+        token.cancel();
+    }
 }
 
 fn parse_customer(text: &str) -> Result<CustomerId, ExitCode> {
@@ -159,9 +190,11 @@ async fn main() -> ExitCode {
 async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCode> {
     match command {
         Command::Run => {
-            tracing::info!(config = %settings.redacted_toml().replace('\n', " "), "starting");
+            let signals =
+                StopSignals::install().context("installing the SIGTERM/SIGINT handlers")?;
             let token = CancellationToken::new();
-            tokio::spawn(shutdown_signal(token.clone()));
+            tokio::spawn(signals.cancel_on_first(token.clone()));
+            tracing::info!(config = %settings.redacted_toml().replace('\n', " "), "starting");
             pipeline::run(settings, token).await?;
         }
         Command::Init { create_topics } => {

@@ -41,7 +41,7 @@ pub use env::{
 pub use event::{decoded, trade, TradeEvent};
 pub use netfault::{FaultProxy, Protocol};
 pub use poll::{eventually, poll_until};
-pub use process::{audit_json, Fleet, Log, WorkerProcess};
+pub use process::{audit_json, Fleet, Log, WorkerProcess, SIGINT, SIGTERM};
 pub use proxy::MongoProxy;
 pub use servers::{free_port, http_get, PrivateKafka, PrivateMongo, Prometheus};
 pub use worker::Worker;

@@ -167,8 +167,9 @@ impl WorkerProcess {
 
     /// SIGTERM, then [`WorkerProcess::exit_code_within`]. Sent once the
     /// worker handles SIGTERM (at most 30 s after it started): a signal in
-    /// its first milliseconds, before its handler exists, ends it by the
-    /// signal's default action (no exit code), as it would any process. A
+    /// its first milliseconds, before its handler exists (it is installed
+    /// before the worker logs "starting"), ends it by the signal's default
+    /// action (no exit code), as it would any process. A
     /// test that finds nothing left to wait for signals a worker just
     /// started (chaos s1 once did, when an earlier life had committed
     /// everything).
@@ -183,7 +184,7 @@ impl WorkerProcess {
 
     /// Whether it has a handler for `sig` (`SigCgt` in /proc/PID/status, a
     /// hexadecimal mask with bit `sig - 1` set for each caught signal).
-    fn handles(&self, sig: i32) -> bool {
+    pub fn handles(&self, sig: i32) -> bool {
         let caught = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
             .ok()
             .and_then(|status| {

@@ -476,6 +476,27 @@ async fn sigterm_drains_commits_and_exits_zero() {
     env.cleanup().await;
 }
 
+/// The worker catches SIGTERM and SIGINT before it says "starting": a stop
+/// signal from then on drains it, however early.
+#[tokio::test]
+async fn stop_signals_are_caught_before_the_worker_says_starting() {
+    let env = TestEnv::new("early-sigterm", 1).await;
+    let log = std::env::temp_dir().join(format!(
+        "tradebucket-early-sigterm-{}.log",
+        std::process::id()
+    ));
+    let w = WorkerProcess::start(bin(), env.vars(&[]), Log::File(log.clone()));
+    eventually("the worker says starting", T, || async {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("starting"))
+    })
+    .await;
+    assert!(w.handles(SIGTERM) && w.handles(SIGINT), "caught by then");
+    w.signal(SIGTERM);
+    assert_eq!(w.wait(Duration::from_secs(30)), Some(0), "drained, exit 0");
+    let _ = std::fs::remove_file(&log);
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn a_database_outage_heals_without_loss_or_duplicates() {
     let mut mongo = PrivateMongo::start().await;
