@@ -121,6 +121,8 @@ struct WorkerRun {
     /// each further event costs once the worker runs, without its start
     /// (connecting, and reading each customer's newest bucket once).
     steady_cpu_per_million: serde_json::Value,
+    /// What it asked of the database, by command type ([`write_work`]).
+    write_work: serde_json::Value,
 }
 
 /// The release binary `cargo bench` built alongside this program.
@@ -936,6 +938,9 @@ async fn run_worker(
         "offsets committed to the end but {stored} trades stored, expected {expected_total}"
     );
     let peak_rss_mib = child.status_kib("VmHWM:").unwrap_or(0) as f64 / 1024.0;
+    let write_work = http_get(&progress.metrics_url)
+        .await
+        .map_or(serde_json::Value::Null, |(_, text)| write_work(&text));
     stop(child)?;
     let events = expected_total;
     Ok(WorkerRun {
@@ -945,7 +950,35 @@ async fn run_worker(
         peak_rss_mib,
         cpu_per_million: cpu_before.per_million(&cpu_after, new_events),
         steady_cpu_per_million: steady_cpu(samples, phase, new_events),
+        write_work,
     })
+}
+
+/// What a worker asked of the database over its life, by command type:
+/// its requests, their summed duration (the local server applies them one
+/// at a time, so about its time on them), and the newest buckets read,
+/// appends sent or buckets inserted that they carried.
+fn write_work(text: &str) -> serde_json::Value {
+    let name = "tradebucket_mongodb_request_duration_seconds";
+    let carried = [
+        ("load", Some("tradebucket_bucket_heads_loaded_total")),
+        ("find_keys", None),
+        ("fill", Some("tradebucket_bucket_updates_total")),
+        ("insert", Some("tradebucket_buckets_created_total")),
+    ];
+    let mut out = serde_json::Map::new();
+    for (operation, items) in carried {
+        let labels = format!("operation=\"{operation}\"");
+        out.insert(
+            operation.to_string(),
+            json!({
+                "requests": gauge(text, &format!("{name}_count{{{labels}}}")),
+                "seconds": gauge(text, &format!("{name}_sum{{{labels}}}")),
+                "items": items.and_then(|c| counter(text, c)),
+            }),
+        );
+    }
+    serde_json::Value::Object(out)
 }
 
 /// CPU per million events of `phase`'s worker and servers between its

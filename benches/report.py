@@ -332,6 +332,32 @@ lines += [
     "- the ceiling collection has the product's indexes (checked against the worker's): "
     + ", ".join(f"`{k}`" for k in r["database_ceiling"].get("indexes", [])),
 ]
+WORK = [("load", "`load`: newest buckets read (16 at a time)", "buckets read"),
+        ("find_keys", "`find_keys`: where trade ids are stored", None),
+        ("fill", "`fill`: appends to open buckets (update commands)", "appends"),
+        ("insert", "`insert`: new buckets", "buckets")]
+worked = [(name, run) for name, run in (("first set", first), ("second set", second))
+          if run and run.get("write_work")]
+if worked:
+    lines += [
+        "",
+        "The worker's database work by command type, from its own metrics at the end of",
+        "each set (`tradebucket_mongodb_request_duration_seconds{operation}` with the",
+        "counters of what the requests carried): the requests' summed duration is about",
+        "the server's time on them, as the local server applies them one at a time,",
+        "so it splits the database column above.",
+        "",
+        "| set | command | requests | carrying | seconds | µs per event | ms per request, or µs per item carried |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, run in worked:
+        for key, label, unit in WORK:
+            w = run["write_work"].get(key) or {}
+            n, secs, items = w.get("requests") or 0, w.get("seconds") or 0.0, w.get("items")
+            carrying = "–" if items is None else f"{items:,} {unit}"
+            each = ("–" if not n else f"{secs / n * 1000:.1f} ms") if not items else f"{secs / items * 1e6:.0f} µs"
+            lines.append(f"| {name} | {label} | {n:,.0f} | {carrying} | {secs:.2f} | "
+                         f"{secs / run['events'] * 1e6:.2f} | {each} |")
 lines += worker_profile_lines(os.path.join(os.path.dirname(results_path), "perf.worker.txt"),
                               tb_cpu.get("worker"))
 lines += [

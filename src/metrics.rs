@@ -34,6 +34,10 @@ const BUCKET_UPDATES_TOTAL: Def = (
     "tradebucket_bucket_updates_total",
     "Guarded appends sent to open buckets.",
 );
+const BUCKET_HEADS_LOADED_TOTAL: Def = (
+    "tradebucket_bucket_heads_loaded_total",
+    "Customers' newest buckets read from MongoDB (not in the writer's cache).",
+);
 const BUCKET_CONFLICTS_TOTAL: Def = (
     "tradebucket_bucket_conflicts_total",
     "Writes that met another writer's change (duplicate key) and were re-planned.",
@@ -102,6 +106,7 @@ pub struct Metrics {
     pub buckets_created: IntCounter,
     pub bucket_updates: IntCounter,
     pub bucket_conflicts: IntCounter,
+    pub bucket_heads_loaded: IntCounter,
     pub batch_events: Histogram,
     pub batch_customers: Histogram,
     /// operation: [`WriteOperation`]
@@ -142,6 +147,7 @@ impl Metrics {
             buckets_created: counter(&r, BUCKETS_CREATED_TOTAL),
             bucket_updates: counter(&r, BUCKET_UPDATES_TOTAL),
             bucket_conflicts: counter(&r, BUCKET_CONFLICTS_TOTAL),
+            bucket_heads_loaded: counter(&r, BUCKET_HEADS_LOADED_TOTAL),
             batch_events: histogram(&r, batch_events_opts()),
             batch_customers: histogram(&r, batch_customers_opts()),
             mongodb_write_duration: histogram_vec(&r, request_duration_opts(), "operation"),

@@ -682,6 +682,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         m.buckets_created.inc_by(stats.buckets_created as u64);
         m.bucket_updates.inc_by(stats.fills as u64);
         m.bucket_conflicts.inc_by(stats.conflicts as u64);
+        m.bucket_heads_loaded.inc_by(stats.heads_loaded as u64);
         m.in_flight_events.set(self.tracker.in_flight() as i64);
         tracing::debug!(
             events = batch.len(),

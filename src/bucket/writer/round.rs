@@ -50,12 +50,22 @@ impl<'a> Ledger<'a> {
         outcomes: &'a mut [Outcome],
         hold_from: Option<usize>,
     ) -> Self {
-        let mut pending: BTreeMap<CustomerId, Vec<usize>> = BTreeMap::new();
+        // Grouped in a hash map by reference (a tree walk and a clone per
+        // event were 2 % of the worker's instructions), then ordered: the
+        // plans, and so the commands' bytes, follow the customers' order.
+        // foldhash's seed is random per process, so a producer cannot pick
+        // customer ids that collide.
+        let mut groups: HashMap<&CustomerId, Vec<usize>, foldhash::fast::RandomState> =
+            HashMap::default();
         for (i, (trade, _)) in events.iter().enumerate() {
             if !outcomes[i].is_final() {
-                pending.entry(trade.customer.clone()).or_default().push(i);
+                groups.entry(&trade.customer).or_default().push(i);
             }
         }
+        let pending: BTreeMap<CustomerId, Vec<usize>> = groups
+            .into_iter()
+            .map(|(customer, idx)| (customer.clone(), idx))
+            .collect();
         let stats = WriteStats {
             customers: pending.len(),
             ..WriteStats::default()
