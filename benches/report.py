@@ -355,7 +355,12 @@ if worked:
             w = run["write_work"].get(key) or {}
             n, secs, items = w.get("requests") or 0, w.get("seconds") or 0.0, w.get("items")
             carrying = "–" if items is None else f"{items:,} {unit}"
-            each = ("–" if not n else f"{secs / n * 1000:.1f} ms") if not items else f"{secs / items * 1e6:.0f} µs"
+            if items:
+                each = f"{secs / items * 1e6:.0f} µs"
+            elif n:
+                each = f"{secs / n * 1000:.1f} ms"
+            else:
+                each = "–"
             lines.append(f"| {name} | {label} | {n:,.0f} | {carrying} | {secs:.2f} | "
                          f"{secs / run['events'] * 1e6:.2f} | {each} |")
 lines += worker_profile_lines(os.path.join(os.path.dirname(results_path), "perf.worker.txt"),

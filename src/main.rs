@@ -121,14 +121,12 @@ impl StopSignals {
         })
     }
 
-    /// Cancels `token` at the first of them.
-    async fn cancel_on_first(mut self, token: CancellationToken) {
+    /// Returns at the first of them.
+    async fn first(mut self) {
         tokio::select! {
             _ = self.term.recv() => {}
             _ = self.int.recv() => {}
         }
-        tracing::info!("shutdown requested: draining");
-        token.cancel();
     }
 }
 
@@ -141,11 +139,16 @@ impl StopSignals {
         Ok(StopSignals)
     }
 
-    async fn cancel_on_first(self, token: CancellationToken) {
+    async fn first(self) {
         let _ = tokio::signal::ctrl_c().await;
-        tracing::info!("shutdown requested: draining");
-        token.cancel();
     }
+}
+
+/// Cancels `token` at the first stop signal.
+async fn cancel_on_stop(signals: StopSignals, token: CancellationToken) {
+    signals.first().await;
+    tracing::info!("shutdown requested: draining");
+    token.cancel();
 }
 
 fn parse_customer(text: &str) -> Result<CustomerId, ExitCode> {
@@ -193,7 +196,7 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
             let signals =
                 StopSignals::install().context("installing the SIGTERM/SIGINT handlers")?;
             let token = CancellationToken::new();
-            tokio::spawn(signals.cancel_on_first(token.clone()));
+            tokio::spawn(cancel_on_stop(signals, token.clone()));
             tracing::info!(config = %settings.redacted_toml().replace('\n', " "), "starting");
             pipeline::run(settings, token).await?;
         }
