@@ -954,20 +954,24 @@ async fn run_worker(
     })
 }
 
+/// The writer's MongoDB operations (the `operation` label of
+/// `tradebucket_mongodb_request_duration_seconds`), each with the counter
+/// of what its requests carry, if there is one.
+const OPERATIONS: [(&str, Option<&str>); 4] = [
+    ("load", Some("tradebucket_bucket_heads_loaded_total")),
+    ("find_keys", None),
+    ("fill", Some("tradebucket_bucket_updates_total")),
+    ("insert", Some("tradebucket_buckets_created_total")),
+];
+
 /// What a worker asked of the database over its life, by command type:
 /// its requests, their summed duration (the local server applies them one
 /// at a time, so about its time on them), and the newest buckets read,
 /// appends sent or buckets inserted that they carried.
 fn write_work(text: &str) -> serde_json::Value {
     let name = "tradebucket_mongodb_request_duration_seconds";
-    let carried = [
-        ("load", Some("tradebucket_bucket_heads_loaded_total")),
-        ("find_keys", None),
-        ("fill", Some("tradebucket_bucket_updates_total")),
-        ("insert", Some("tradebucket_buckets_created_total")),
-    ];
     let mut out = serde_json::Map::new();
-    for (operation, items) in carried {
+    for (operation, items) in OPERATIONS {
         let labels = format!("operation=\"{operation}\"");
         out.insert(
             operation.to_string(),
@@ -1250,7 +1254,7 @@ fn stage_breakdown(text: &str) -> serde_json::Value {
         "in_kafka", "batching", "decode", "queued", "writing", "commit",
     ]
     .map(|s| ("tradebucket_stage_delay_seconds", "stage", s));
-    let requests = ["load", "find_keys", "fill", "insert"].map(|o| {
+    let requests = OPERATIONS.map(|(o, _)| {
         let name = "tradebucket_mongodb_request_duration_seconds";
         (name, "operation", o)
     });
