@@ -8,6 +8,7 @@
 //! One stage, one batch at a time, is what keeps each customer's order:
 //! batch k+1's trades are written only after batch k's are settled.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,7 +18,7 @@ use super::error_chain;
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
-use crate::event::{Mappings, RecordParts, Reject, Source, Trade};
+use crate::event::{CustomerId, Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::{self, DeadLetter};
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
@@ -104,9 +105,11 @@ pub(super) struct Stage<B, D> {
     health: Arc<Health>,
     /// Dead letters are logged at warn at most once per second.
     dead_letter_log: Throttle,
-    /// Held trades in stream order, so each customer's are the tail of its
-    /// trades so far and the oldest hold comes first.
-    held: Vec<Held>,
+    /// Held trades by customer, each customer's in stream order: the tail
+    /// of its trades so far, its oldest hold first.
+    held: HashMap<CustomerId, Vec<Held>, foldhash::fast::RandomState>,
+    /// How many trades `held` holds.
+    held_count: usize,
 }
 
 impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
@@ -124,13 +127,14 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
             metrics,
             health,
             dead_letter_log: Throttle::hot_path(),
-            held: Vec::new(),
+            held: HashMap::default(),
+            held_count: 0,
         }
     }
 
     /// Whether trades are held, waiting for a later batch.
     pub fn holds(&self) -> bool {
-        !self.held.is_empty()
+        self.held_count > 0
     }
 
     /// Handles `batch` and hands the stage back with the result. `forget`:
@@ -150,8 +154,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         if forget {
             self.buckets.forget_all();
         }
-        let mut work = self.with_held(batch);
-        let hold_from = hold.then(|| self.hold_from(&work, started)).flatten();
+        let (mut work, hold_from) = self.with_held(batch, hold, started);
         let (outcomes, stats) = self.write_until_done(&work.events, hold_from).await;
         let mut counts = OutcomeCounts::default();
         let mut held = Vec::new();
@@ -180,49 +183,47 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         (self, done)
     }
 
-    /// The held trades, then `batch`: what this write handles.
-    fn with_held(&mut self, batch: Closed) -> Work {
-        let held = std::mem::take(&mut self.held);
-        let n = held.len();
-        let Decoded {
-            events,
-            record_of,
-            dead,
-        } = batch.decoded;
-        let mut work = Work {
-            events: Vec::with_capacity(n + events.len()),
-            records: Vec::with_capacity(n + batch.records.len()),
-            record_of: Vec::with_capacity(n + record_of.len()),
-            dead: dead.into_iter().map(|(i, r)| (n + i, r)).collect(),
-            held_since: Vec::with_capacity(n),
+    /// What this write handles, and the writer's `hold`: the held trades
+    /// it takes, then `batch`. A write that may hold takes the held trades
+    /// of the batch's customers only, and of those whose oldest held trade
+    /// is `batch.hold_max_age` old, those first (they are written whole);
+    /// the others wait, unplanned, for a batch that brings their customer.
+    /// A write that may not hold, or whose held trades would pass
+    /// `batch.hold_trades`, takes them all and holds nothing.
+    fn with_held(&mut self, batch: Closed, hold: bool, now: TokioInstant) -> (Work, Option<usize>) {
+        let limits = &self.settings.batch;
+        let events = batch.decoded.events.len();
+        let hold = hold && self.held_count + events <= limits.hold_trades;
+        let (taken, expired) = if hold {
+            self.take_due(&batch.decoded.events, now)
+        } else {
+            let all: Vec<Held> = self.held.drain().flat_map(|(_, list)| list).collect();
+            (all, 0)
         };
-        for (i, h) in held.into_iter().enumerate() {
-            work.events.push(h.event);
-            work.records.push(h.record);
-            work.record_of.push(i);
-            work.held_since.push(h.since);
-        }
-        work.events.extend(events);
-        work.records.extend(batch.records);
-        work.record_of.extend(record_of.into_iter().map(|i| n + i));
-        work
+        self.held_count -= taken.len();
+        (Work::new(taken, batch), hold.then_some(expired))
     }
 
-    /// The `hold` the writer gets: `None` when the held trades would pass
-    /// `batch.hold_trades`; otherwise the index of the first held trade
-    /// younger than `batch.hold_max_age` (the older ones, and their
-    /// customers' later trades, are written whole).
-    fn hold_from(&self, work: &Work, now: TokioInstant) -> Option<usize> {
-        let batch = &self.settings.batch;
-        if work.events.len() > batch.hold_trades {
-            return None;
+    /// The held trades of customers past their age (first; how many of
+    /// them), then of `events`' customers.
+    fn take_due(&mut self, events: &[(Trade, Source)], now: TokioInstant) -> (Vec<Held>, usize) {
+        let max_age = self.settings.batch.hold_max_age;
+        let mut taken = Vec::new();
+        // A customer's list is in stream order, so its first is its oldest.
+        self.held.retain(|_, list| {
+            let young = now.duration_since(list[0].since) < max_age;
+            if !young {
+                taken.append(list);
+            }
+            young
+        });
+        let expired = taken.len();
+        for (trade, _) in events {
+            if let Some(list) = self.held.remove(&trade.customer) {
+                taken.extend(list);
+            }
         }
-        let expired = work
-            .held_since
-            .iter()
-            .take_while(|&&since| now.duration_since(since) >= batch.hold_max_age)
-            .count();
-        Some(expired)
+        (taken, expired)
     }
 
     /// Keeps the `held` trades (by record index, ascending) with their
@@ -233,12 +234,11 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         held: Vec<(usize, (Trade, Source), TokioInstant)>,
     ) -> Vec<Record> {
         let mut done = Vec::with_capacity(records.len() - held.len());
-        // Exactly: held trades may stay for several batches.
-        self.held.reserve_exact(held.len());
+        self.held_count += held.len();
         let mut held = held.into_iter().peekable();
         for (i, record) in records.into_iter().enumerate() {
             match held.next_if(|(at, ..)| *at == i) {
-                Some((_, event, since)) => self.held.push(Held {
+                Some((_, event, since)) => self.keep(Held {
                     event,
                     record,
                     since,
@@ -246,8 +246,24 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
                 None => done.push(record),
             }
         }
-        self.metrics.held_trades.set(self.held.len() as i64);
+        self.metrics.held_trades.set(self.held_count as i64);
         done
+    }
+
+    /// Adds `held` at the end of its customer's list.
+    fn keep(&mut self, held: Held) {
+        let customer = &held.event.0.customer;
+        match self.held.get_mut(customer) {
+            // Exactly: a list stays a few trades long, often for several
+            // batches, and thousands of customers hold at once.
+            Some(list) => {
+                list.reserve_exact(1);
+                list.push(held);
+            }
+            None => {
+                self.held.insert(customer.clone(), vec![held]);
+            }
+        }
     }
 
     /// Writes the batch's events, retrying with backoff until every event
@@ -367,6 +383,35 @@ struct Work {
     dead: Vec<(usize, Reject)>,
     /// When each held trade (the first events) was first held.
     held_since: Vec<TokioInstant>,
+}
+
+impl Work {
+    /// `held` (their records first), then `batch`.
+    fn new(held: Vec<Held>, batch: Closed) -> Work {
+        let n = held.len();
+        let Decoded {
+            events,
+            record_of,
+            dead,
+        } = batch.decoded;
+        let mut work = Work {
+            events: Vec::with_capacity(n + events.len()),
+            records: Vec::with_capacity(n + batch.records.len()),
+            record_of: Vec::with_capacity(n + record_of.len()),
+            dead: dead.into_iter().map(|(i, r)| (n + i, r)).collect(),
+            held_since: Vec::with_capacity(n),
+        };
+        for (i, h) in held.into_iter().enumerate() {
+            work.events.push(h.event);
+            work.records.push(h.record);
+            work.record_of.push(i);
+            work.held_since.push(h.since);
+        }
+        work.events.extend(events);
+        work.records.extend(batch.records);
+        work.record_of.extend(record_of.into_iter().map(|i| n + i));
+        work
+    }
 }
 
 /// Decodes every record; the undecodable ones are to be dead-lettered.

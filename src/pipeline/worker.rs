@@ -192,6 +192,8 @@ pub(crate) struct Worker<I, B, D> {
     write_at: Option<TokioInstant>,
     /// Since when the stage, holding trades, has had nothing to write.
     idle_since: Option<TokioInstant>,
+    /// Whether the last batch closed full (see `close`).
+    last_full: bool,
 }
 
 impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
@@ -229,6 +231,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             rate_limit: RateLimit::new(settings.rate_limit.events_per_second),
             write_at: None,
             idle_since: None,
+            last_full: false,
             settings,
         }
     }
@@ -411,7 +414,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         }
         // Full: it filled to its bound before the stage was free for it,
         // so records come faster than they are written (a backlog).
-        let backlog = self.full();
+        let full = self.full();
+        let was_full = std::mem::replace(&mut self.last_full, full);
+        let backlog = full || was_full;
         // The next batch starts with this one's size reserved: under a
         // backlog it fills to the same bound, so it is not grown by
         // doubling (a copy of every record so far at each step, and large
