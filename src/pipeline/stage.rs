@@ -211,7 +211,9 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         let mut taken = Vec::new();
         // A customer's list is in stream order, so its first is its oldest.
         self.held.retain(|_, list| {
-            let young = now.duration_since(list[0].since) < max_age;
+            let young = list
+                .first()
+                .is_some_and(|h| now.duration_since(h.since) < max_age);
             if !young {
                 taken.append(list);
             }
