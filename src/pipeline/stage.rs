@@ -197,7 +197,8 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         let (taken, expired) = if hold {
             self.take_due(&batch.decoded.events, now)
         } else {
-            let all: Vec<Held> = self.held.drain().flat_map(|(_, list)| list).collect();
+            let mut all = Vec::with_capacity(self.held_count);
+            self.held.drain().for_each(|(_, list)| all.extend(list));
             (all, 0)
         };
         self.held_count -= taken.len();
