@@ -335,8 +335,8 @@ impl Harness {
         }
     }
 
-    /// Valid trades at `offsets`, of the customers `customers` gives them.
-    fn send_of(&self, partition: i32, trades: impl IntoIterator<Item = (i64, i64)>) {
+    /// Valid trades: each an offset and its customer's JSON.
+    fn send_of<'a>(&self, partition: i32, trades: impl IntoIterator<Item = (i64, &'a str)>) {
         for (offset, customer) in trades {
             let record = trade_record(partition, offset, customer);
             self.records.send(Ok(record)).unwrap();
@@ -393,16 +393,16 @@ fn tp(partition: i32) -> TopicPartition {
 
 fn record(partition: i32, offset: i64, valid: bool) -> Record {
     if valid {
-        return trade_record(partition, offset, 7);
+        return trade_record(partition, offset, "7");
     }
     Record {
         payload: Some(b"not json".to_vec()),
-        ..trade_record(partition, offset, 7)
+        ..trade_record(partition, offset, "7")
     }
 }
 
-/// A valid trade of `customer`.
-fn trade_record(partition: i32, offset: i64, customer: i64) -> Record {
+/// A valid trade of `customer` (its JSON: `7` or `"7"`).
+fn trade_record(partition: i32, offset: i64, customer: &str) -> Record {
     let payload = format!(
         r#"{{"tradeId":"T-{partition}-{offset}","customerId":{customer},"type":"buy","ticker":"MDB","qty":1,"date":"2023-10-26T15:47:03.434Z"}}"#
     );
@@ -1054,7 +1054,8 @@ async fn held_trades_are_committed_only_once_a_later_batch_writes_them() {
 }
 
 /// A write that may hold takes only the held trades of its own batch's
-/// customers: the others wait, unplanned, for a batch that brings their
+/// customers, however a producer spells their ids (`1` and `"1"` are one
+/// customer): the others wait, unplanned, for a batch that brings their
 /// customer (or for the backlog's end), and their offsets stay
 /// uncommitted until then.
 #[tokio::test(start_paused = true)]
@@ -1068,18 +1069,20 @@ async fn a_batch_takes_the_held_trades_of_its_own_customers() {
         &[0],
     );
     h.hold([1, 3]);
-    h.send_of(0, [(0, 1), (1, 1), (2, 2), (3, 2)]);
+    h.send_of(0, [(0, "1"), (1, "1"), (2, "2"), (3, "2")]);
     h.until(ms(15)).await;
     assert_eq!(committed(&h), vec![vec![(tp(0), 1)]]);
-    h.send_of(0, [(4, 1), (5, 3), (6, 3), (7, 3)]);
+    // Customer 1 again, spelt as text: one customer, so its held 1 goes
+    // first, before 4.
+    h.send_of(0, [(4, r#""1""#), (5, "3"), (6, "3"), (7, "3")]);
     h.until(ms(30)).await;
     assert_eq!(h.writes()[1].1, vec![1, 4, 5, 6, 7], "customer 2's 3 waits");
     assert_eq!(h.holds()[1], Some(0));
     assert_eq!(committed(&h)[1], vec![(tp(0), 3)], "not past the held 3");
     // Two short batches: the second writes everything held.
-    h.send_of(0, [(8, 1)]);
+    h.send_of(0, [(8, "1")]);
     h.until(ms(50)).await;
-    h.send_of(0, [(9, 1)]);
+    h.send_of(0, [(9, "1")]);
     h.until(ms(70)).await;
     assert_eq!(h.writes()[2].1, vec![8]);
     assert_eq!(h.writes()[3].1, vec![3, 9]);
