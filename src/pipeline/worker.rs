@@ -413,7 +413,12 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             return;
         }
         // Full: it filled to its bound before the stage was free for it,
-        // so records come faster than they are written (a backlog).
+        // so records come faster than they are written (a backlog). The
+        // batch after a full one is still part of it even if short:
+        // mid-backlog the stage often frees up while librdkafka's queue is
+        // momentarily empty, and ending the backlog there wrote every held
+        // trade as a part-filled bucket (docs/design.md, "Holding partial
+        // buckets under a backlog"). Two short batches in a row end it.
         let full = self.full();
         let was_full = std::mem::replace(&mut self.last_full, full);
         let backlog = full || was_full;
