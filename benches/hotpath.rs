@@ -811,6 +811,10 @@ fn mapped_decode(wire: &[Wire], rounds: usize) -> anyhow::Result<(Meter, Meter)>
 // The run and its report.
 
 fn main() -> anyhow::Result<()> {
+    // The worker's mimalloc settings (src/main.rs does the same).
+    if !cfg!(feature = "bench-system-alloc") {
+        tradebucket::allocator::configure();
+    }
     let args = Args::parse();
     let settings = Settings::load_from(None, Some(BTreeMap::new()))?;
     let batch = args.batch.unwrap_or(settings.batch.max_events);

@@ -21,9 +21,11 @@
 //!   committed past, checked against MongoDB and the dead letters.
 //! - [`cli`]: the operator commands besides `run` (init, page, audit,
 //!   produce, check-config).
+//! - [`allocator`]: the settings of mimalloc, the binary's allocator.
 //!
 //! `docs/design.md` explains why the guarantees hold.
 
+pub mod allocator;
 pub mod bucket;
 pub mod cli;
 pub mod config;

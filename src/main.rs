@@ -24,7 +24,7 @@ use tradebucket::reconcile::io::{self as reconcile, Report};
 /// less CPU per event for 5 to 13 MiB more peak RSS (docs/benchmarks.md, "The
 /// allocator"). The crate's `no_thp` feature is why the memory stays close,
 /// and its `v2` (mimalloc 2, not 3) kept 15 to 25 MiB more of it off the
-/// peak (Cargo.toml).
+/// peak (Cargo.toml). Its settings: `tradebucket::allocator`.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -160,8 +160,15 @@ fn parse_customer(text: &str) -> Result<CustomerId, ExitCode> {
     })
 }
 
+fn main() -> ExitCode {
+    // Before the runtime starts its threads: mimalloc's setters are not
+    // thread-safe.
+    tradebucket::allocator::configure();
+    run()
+}
+
 #[tokio::main]
-async fn main() -> ExitCode {
+async fn run() -> ExitCode {
     let args = Cli::parse();
     let settings = match Settings::load(args.config.as_deref()) {
         Ok(s) => s,
