@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""What the local MongoDB-protocol server spends on loading newest buckets.
+
+N customers' newest buckets (highest `_id` in the customer's prefix
+range, as `BucketStore::load_head` asks), loaded as one `find` each (16
+at a time, as the worker does), as one `aggregate` of 16 `$unionWith`
+branches (`$match` on the range, `$sort`, `$limit: 1`) or 64, and as one
+`find` with an `$or` of 16 ranges (which returns every bucket of those
+customers). PER buckets per customer are inserted first (0: an empty
+collection). Prints the wall time and the server's CPU (from /proc) of
+each. Needs the stack running (scripts/stack start) and pymongo.
+docs/benchmarks.md ("Session 19") quotes its output; with buckets in the
+collection the `$unionWith` rows take minutes on the local server.
+
+    python3 benches/head_loads.py N PER      # e.g. 10000 0, or 2000 3
+"""
+import os, pathlib, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from pymongo import MongoClient
+stack = pathlib.Path(os.environ.get('TRADEBUCKET_STACK_DIR', pathlib.Path(__file__).parent.parent / '.stack'))
+pid = int((stack / 'mongodb.pid').read_text())
+port = os.environ.get('TRADEBUCKET_MONGO_PORT', '27117')
+tick = os.sysconf('SC_CLK_TCK')
+def cpu():
+    f = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
+    return (int(f[11]) + int(f[12])) / tick
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
+PER = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+client = MongoClient(f'mongodb://127.0.0.1:{port}/?directConnection=true', maxPoolSize=32)
+coll = client['head_probe']['b']
+PROJ = {'count': 1, 'cap': 1, 'capBytes': 1, 'bytes': 1, 'customerId': 1, 'wm': 1, 'history.key': 1}
+def setup():
+    client.drop_database('head_probe')
+    coll.create_index([('customerId', 1), ('tickers', 1)])
+    coll.create_index('history.key')
+    coll.create_index('prev', unique=True, sparse=True)
+    docs = []
+    for i in range(N):
+        for j in range(PER):
+            d = {'_id': f'{i}_{1000 + j}', 'customerId': i, 'count': 10, 'cap': 10, 'tickers': ['A'],
+                 'history': [{'key': f't:{i}-{j}-{k}', 'pad': 'x' * 100} for k in range(10)]}
+            if j:
+                d['prev'] = f'{i}_{999 + j}'
+            docs.append(d)
+    for s in range(0, len(docs), 1000):
+        coll.insert_many(docs[s:s + 1000], ordered=False)
+def rng(i):
+    return {'_id': {'$gte': f'{i}_', '$lt': f'{i}`'}}
+def finds():
+    one = lambda i: coll.find_one(rng(i), sort=[('_id', -1)], projection=PROJ)
+    with ThreadPoolExecutor(16) as ex:
+        return sum(1 for d in ex.map(one, range(N)) if d)
+def unions(k):
+    sub = lambda i: [{'$match': rng(i)}, {'$sort': {'_id': -1}}, {'$limit': 1}, {'$project': PROJ}]
+    n = 0
+    for s in range(0, N, k):
+        ids = list(range(s, min(s + k, N)))
+        pipe = sub(ids[0]) + [{'$unionWith': {'coll': 'b', 'pipeline': sub(i)}} for i in ids[1:]]
+        n += len(list(coll.aggregate(pipe)))
+    return n
+def ors(k):
+    n = 0
+    for s in range(0, N, k):
+        n += len(list(coll.find({'$or': [rng(i) for i in range(s, min(s + k, N))]}, projection=PROJ)))
+    return n
+setup()
+for name, f in [('find each, 16 at a time', finds), ('$unionWith of 16', lambda: unions(16)),
+                ('find each, 16 at a time', finds), ('$unionWith of 16', lambda: unions(16)),
+                ('$unionWith of 64', lambda: unions(64)), ('$or of 16 ranges', lambda: ors(16))]:
+    t0, c0 = time.time(), cpu()
+    n = f()
+    print(f'{name}: {n} documents, {time.time() - t0:.2f} s wall, server CPU {cpu() - c0:.2f} s '
+          f'({1e6 * (cpu() - c0) / N:.0f} us per customer)', flush=True)
+client.drop_database('head_probe')
