@@ -986,8 +986,8 @@ fn write_work(text: &str) -> serde_json::Value {
 }
 
 /// CPU per million events of `phase`'s worker and servers between its
-/// samples at 10 % and 90 % of `events` written (`null` if the run was
-/// too short to have both).
+/// samples at 10 % and 90 % of `events` written, and its rate there
+/// (`null` if the run was too short to have both).
 fn steady_cpu(samples: &[Sample], phase: &str, events: u64) -> serde_json::Value {
     let run: Vec<&Sample> = samples.iter().filter(|s| s.phase == phase).collect();
     let from = run.iter().find(|s| s.written * 10 >= events);
@@ -997,6 +997,10 @@ fn steady_cpu(samples: &[Sample], phase: &str, events: u64) -> serde_json::Value
             let mut out = a.cpu.per_million(&b.cpu, b.written - a.written);
             out["from_written"] = json!(a.written);
             out["to_written"] = json!(b.written);
+            // The rate over the same stretch: what the co-located bound
+            // (from CPU per event) is comparable with, without the start.
+            let seconds = b.seconds - a.seconds;
+            out["events_per_second"] = json!((b.written - a.written) as f64 / seconds);
             out
         }
         _ => serde_json::Value::Null,
