@@ -52,8 +52,10 @@ mod tests {
     const CHILD: &str = "TRADEBUCKET_ALLOCATOR_TEST_CHILD";
     const TEST: &str = "allocator::tests::the_purge_delay_is_ours_unless_the_environment_sets_it";
 
-    /// mimalloc reads its environment once, at process start, so each
-    /// case runs in a child process of this test binary: without
+    /// mimalloc reads its environment once per process (at its start when
+    /// it is the global allocator, as in the binary; here, where it is
+    /// not, when first asked), so each case runs in a child process of
+    /// this test binary: without
     /// `MIMALLOC_PURGE_DELAY` the delay is ours; with it, the
     /// environment's, which also shows that option 15 is the one that
     /// variable names.
