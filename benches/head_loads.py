@@ -14,19 +14,13 @@ collection the `$unionWith` rows take minutes on the local server.
 
     python3 benches/head_loads.py N PER      # e.g. 10000 0, or 2000 3
 """
-import os, pathlib, sys, time
+import sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pymongo import MongoClient
-stack = pathlib.Path(os.environ.get('TRADEBUCKET_STACK_DIR', pathlib.Path(__file__).parent.parent / '.stack'))
-pid = int((stack / 'mongodb.pid').read_text())
-port = os.environ.get('TRADEBUCKET_MONGO_PORT', '27117')
-tick = os.sysconf('SC_CLK_TCK')
-def cpu():
-    f = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
-    return (int(f[11]) + int(f[12])) / tick
+from stack_probe import cpu, url
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
 PER = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-client = MongoClient(f'mongodb://127.0.0.1:{port}/?directConnection=true', maxPoolSize=32)
+client = MongoClient(url, maxPoolSize=32)
 coll = client['head_probe']['b']
 PROJ = {'count': 1, 'cap': 1, 'capBytes': 1, 'bytes': 1, 'customerId': 1, 'wm': 1, 'history.key': 1}
 def setup():

@@ -11,18 +11,12 @@ million-event run's time goes") quotes its output.
 
     python3 benches/insert_concurrency.py
 """
-import os, pathlib, time
+import time
 from concurrent.futures import ThreadPoolExecutor
 import bson
 from bson.raw_bson import RawBSONDocument
 from pymongo import MongoClient, WriteConcern
-stack = pathlib.Path(os.environ.get('TRADEBUCKET_STACK_DIR', pathlib.Path(__file__).parent.parent / '.stack'))
-pid = int((stack / 'mongodb.pid').read_text())
-port = os.environ.get('TRADEBUCKET_MONGO_PORT', '27117')
-tick = os.sysconf('SC_CLK_TCK')
-def cpu():
-    f = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
-    return (int(f[11]) + int(f[12])) / tick
+from stack_probe import cpu, url
 ROUNDS, PER = 20, 2000
 def docs(variant, r):
     return [{'_id': f'{variant}-{r}-{i}_1000', 'customerId': i, 'count': 10, 'cap': 10, 'tickers': ['AAA', 'BBB'],
@@ -38,7 +32,7 @@ def run(split, coll):
         parts = [d[k * n:(k + 1) * n] for k in range(split)]
         list(pool.map(lambda p: coll.insert_many(p, ordered=False), parts))
     return time.time() - t0, cpu() - c0
-client = MongoClient(f'mongodb://127.0.0.1:{port}/?directConnection=true', maxPoolSize=16)
+client = MongoClient(url, maxPoolSize=16)
 for rep in range(2):
     for split in (1, 2, 4):
         db = client[f'ins_probe_{rep}_{split}']; db.drop_collection('b')

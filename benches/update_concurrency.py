@@ -10,15 +10,9 @@ stack running (scripts/stack start) and pymongo. docs/benchmarks.md
 
     python3 benches/update_concurrency.py
 """
-import os, pathlib, threading, time
+import threading, time
 from pymongo import MongoClient
-stack = pathlib.Path(os.environ.get('TRADEBUCKET_STACK_DIR', pathlib.Path(__file__).parent.parent / '.stack'))
-pid = int((stack / 'mongodb.pid').read_text())
-port = os.environ.get('TRADEBUCKET_MONGO_PORT', '27117')
-tick = os.sysconf('SC_CLK_TCK')
-def cpu():
-    f = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
-    return (int(f[11]) + int(f[12])) / tick
+from stack_probe import cpu, url
 N = 20000
 def setup(c):
     db = c['upd_probe']; db.drop_collection('b'); coll = db['b']
@@ -34,7 +28,7 @@ def stmts(lo, hi, round_):
 def send(db, s):
     r = db.command({'update': 'b', 'updates': s, 'ordered': False})
     assert r['nModified'] == len(s), r
-clients = [MongoClient(f'mongodb://127.0.0.1:{port}/?directConnection=true') for _ in range(2)]
+clients = [MongoClient(url) for _ in range(2)]
 db0 = setup(clients[0]); db1 = clients[1]['upd_probe']
 for round_, mode in enumerate(['one', 'two', 'one', 'two']):
     c0, t0 = cpu(), time.time()
