@@ -11,7 +11,7 @@
 
 use std::ffi::c_long;
 
-use libmimalloc_sys::{mi_option_get, mi_option_set_default, mi_option_t};
+use libmimalloc_sys::{mi_option_set_default, mi_option_t};
 
 /// mimalloc's `mi_option_purge_delay` (`mimalloc.h`, where it is 15 in
 /// mimalloc 2 and 3 alike). libmimalloc-sys names only the stable options;
@@ -36,17 +36,19 @@ pub fn configure() {
     unsafe { mi_option_set_default(PURGE_DELAY, PURGE_DELAY_MS) }
 }
 
-/// mimalloc's purge delay in effect, in milliseconds.
-pub fn purge_delay_ms() -> c_long {
-    // SAFETY: reading an option mimalloc.h defines.
-    unsafe { mi_option_get(PURGE_DELAY) }
-}
-
 #[cfg(test)]
 mod tests {
     use std::process::Command;
 
+    use libmimalloc_sys::mi_option_get;
+
     use super::*;
+
+    /// mimalloc's purge delay in effect, in milliseconds.
+    fn purge_delay_ms() -> c_long {
+        // SAFETY: reading an option mimalloc.h defines.
+        unsafe { mi_option_get(PURGE_DELAY) }
+    }
 
     /// Set by the parent test in the child it runs.
     const CHILD: &str = "TRADEBUCKET_ALLOCATOR_TEST_CHILD";
