@@ -7,12 +7,16 @@ at a time, as the worker does), as one `aggregate` of 16 `$unionWith`
 branches (`$match` on the range, `$sort`, `$limit: 1`) or 64, and as one
 `find` with an `$or` of 16 ranges (which returns every bucket of those
 customers). PER buckets per customer are inserted first (0: an empty
-collection). Prints the wall time and the server's CPU (from /proc) of
-each. Needs the stack running (scripts/stack start) and pymongo.
-docs/benchmarks.md ("Session 19") quotes its output; with buckets in the
-collection the `$unionWith` rows take minutes on the local server.
+collection). With `probe`, only the one-`find`-each loads against the
+worker's probe (`bucket::store::heads`: one `find` of 64 customers'
+ranges, `_id` only, highest first, limit 64, one `$in` read of the heads
+found, and one `find` each for those it cannot settle). Prints the wall
+time and the server's CPU (from /proc) of each. Needs the stack running
+(scripts/stack start) and pymongo. docs/benchmarks.md ("Session 19",
+"Session 20") quotes its output; with buckets in the collection the
+`$unionWith` rows take minutes on the local server.
 
-    python3 benches/head_loads.py N PER      # e.g. 10000 0, or 2000 3
+    python3 benches/head_loads.py N PER [probe]   # e.g. 10000 0, or 2000 3
 """
 import sys, time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +61,25 @@ def ors(k):
     for s in range(0, N, k):
         n += len(list(coll.find({'$or': [rng(i) for i in range(s, min(s + k, N))]}, projection=PROJ)))
     return n
+def probes(k=64):
+    n, rest = 0, []
+    for s in range(0, N, k):
+        group = list(range(s, min(s + k, N)))
+        ids = [d['_id'] for d in coll.find({'$or': [rng(i) for i in group]}, {'_id': 1})
+               .sort('_id', -1).limit(len(group))]
+        heads = {}
+        for i in ids:
+            heads.setdefault(i.split('_')[0], i)
+        if heads:
+            n += len(list(coll.find({'_id': {'$in': list(heads.values())}}, PROJ)))
+        cut = ids[-1] if len(ids) >= len(group) else None
+        rest += [i for i in group if str(i) not in heads and cut is not None and f'{i}_' <= cut]
+    one = lambda i: coll.find_one(rng(i), sort=[('_id', -1)], projection=PROJ)
+    with ThreadPoolExecutor(16) as ex:
+        return n + sum(1 for d in ex.map(one, rest) if d)
 setup()
-for name, f in [('find each, 16 at a time', finds), ('$unionWith of 16', lambda: unions(16)),
+runs = [('find each, 16 at a time', finds), ('probe of 64', probes)] * 2
+for name, f in runs if sys.argv[3:] == ['probe'] else [('find each, 16 at a time', finds), ('$unionWith of 16', lambda: unions(16)),
                 ('find each, 16 at a time', finds), ('$unionWith of 16', lambda: unions(16)),
                 ('$unionWith of 64', lambda: unions(64)), ('$or of 16 ranges', lambda: ors(16))]:
     t0, c0 = time.time(), cpu()

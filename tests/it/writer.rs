@@ -2,12 +2,18 @@
 //! batch costs when some of its new buckets are refused. Each test runs in
 //! both modes (`mongodb.sharded` false and true).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use mongodb::bson::doc;
+use mongodb::event::command::CommandEvent;
+use mongodb::event::EventHandler;
 use testkit::*;
-use tradebucket::bucket::store::BucketStore;
+use tradebucket::bucket::plan::LoadedHead;
+use tradebucket::bucket::store::{BucketStore, PROBE_CUSTOMERS};
 use tradebucket::bucket::writer::{BucketWriter, Outcome, WriteStats};
 use tradebucket::cli::AuditReport;
-use tradebucket::event::{Source, Trade};
+use tradebucket::event::{CustomerId, Source, Trade};
 use tradebucket::metrics::Metrics;
 
 const CAPACITY: u32 = 4;
@@ -640,4 +646,85 @@ async fn trades_of_a_cached_bucket_deleted_by_hand_are_stored_when_sent_again() 
         assert_eq!(report.trades, 6, "sharded {sharded}");
         env.cleanup().await;
     }
+}
+
+/// Loading heads by probe (while most customers asked have no bucket)
+/// gives exactly what one `find` per customer gives, whatever the mix:
+/// customers with no bucket, with one, with several (so a probe's limit
+/// cuts its answer and the rest are loaded one by one), and with buckets
+/// another tool named (`<customer>_legacy`, the highest `_id` of its
+/// range). Two hundred customers, half never written: the probing load
+/// sends a few `find`s where one per customer sent two hundred, and a load
+/// of customers that all have buckets turns probing off, one of customers
+/// that have none turns it back on.
+#[tokio::test]
+async fn probed_heads_are_the_heads_one_find_per_customer_reads() {
+    let env = TestEnv::new("writer-probe", 1).await;
+    let mut w = BucketWriter::new(store(&env, false).await, 10, 1000, Metrics::new());
+    let mut batch = Vec::new();
+    for c in 0..100i64 {
+        for t in 0..(c % 4) * 12 {
+            batch.push(event(&format!("p-{c}-{t}"), c, batch.len() as i64, "probe"));
+        }
+    }
+    write_all(&mut w, batch).await;
+    let coll = w.store().collection();
+    for (id, c) in [("5_legacy", 5i64), ("150_legacy", 150)] {
+        let legacy = doc! {"_id": id, "customerId": c, "count": 1, "history": [{"key": id}]};
+        coll.insert_one(legacy).await.expect("a legacy bucket");
+    }
+    let finds = Arc::new(AtomicUsize::new(0));
+    let counter = finds.clone();
+    let db = env.db.clone();
+    let handler = EventHandler::callback(move |e| {
+        if matches!(e, CommandEvent::Started(s) if s.command_name == "find" && s.db == db) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let probing = BucketStore::connect_with(&env.settings(&mode(false)), Some(handler))
+        .await
+        .expect("MongoDB client");
+    let reference = store(&env, false).await;
+    let by_customer = |mut v: Vec<(CustomerId, LoadedHead)>| {
+        v.sort_by_key(|(c, _)| format!("{c:?}"));
+        v
+    };
+    let customers: Vec<CustomerId> = (0..200).map(CustomerId::Int).collect();
+    let mut want = Vec::new();
+    for c in &customers {
+        want.push((c.clone(), reference.load_head(c).await.expect("load")));
+    }
+    let want = by_customer(want);
+    assert!(probing.probes_first(), "a new store probes first");
+    let got = by_customer(probing.load_heads(customers.clone()).await.expect("probe"));
+    assert_eq!(got, want);
+    let probed_finds = finds.swap(0, Ordering::Relaxed);
+    // The written customers may need one each (a probe's limit is used up
+    // by their older buckets), plus a probe and an `$in` per group of 64:
+    // the never written ones cost none of their own.
+    let bound = 100 + 2 * customers.len().div_ceil(PROBE_CUSTOMERS);
+    assert!(
+        probed_finds <= bound,
+        "{probed_finds} finds for 200 customers"
+    );
+    assert!(probing.probes_first(), "125 of 200 had no bucket");
+    let written: Vec<CustomerId> = (0..100)
+        .filter(|c| c % 4 != 0)
+        .map(CustomerId::Int)
+        .collect();
+    probing.load_heads(written.clone()).await.expect("load");
+    assert!(!probing.probes_first(), "every customer had buckets");
+    finds.store(0, Ordering::Relaxed);
+    let unwritten: Vec<CustomerId> = (151..200).map(CustomerId::Int).collect();
+    probing.load_heads(unwritten.clone()).await.expect("load");
+    assert_eq!(
+        finds.load(Ordering::Relaxed),
+        unwritten.len(),
+        "one find each"
+    );
+    assert!(probing.probes_first(), "none of them had a bucket");
+    probing.load_heads(written).await.expect("load");
+    let one_each = by_customer(probing.load_heads(customers).await.expect("load"));
+    assert_eq!(one_each, want);
+    env.cleanup().await;
 }

@@ -32,6 +32,7 @@
 mod bson_out;
 mod codec;
 mod error;
+mod heads;
 mod layout;
 #[cfg(test)]
 mod oracle;
@@ -43,26 +44,28 @@ pub use error::{
     FillOutcome, InitError, InsertOutcome, StatementError, StoreError, CLIENT_REFUSED,
     DUPLICATE_KEY,
 };
+pub use heads::{resolve, Probed, PROBE_CUSTOMERS};
 pub use layout::{layout_conflict, ShardState, SHARD_KEY_FIELD};
 pub use write::{chunk_by_size, update_command};
 use write::{insert_failure, parse_write_reply, write_concern, write_concern_doc};
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::IntoFuture;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 use mongodb::bson::{doc, Document, RawDocumentBuf};
 use mongodb::event::command::CommandEvent;
 use mongodb::event::EventHandler;
 use mongodb::options::{
-    ClientOptions, CollectionOptions, FindOneOptions, InsertManyOptions, ReadConcern,
-    ReadPreference, SelectionCriteria, WriteConcern,
+    ClientOptions, CollectionOptions, InsertManyOptions, ReadConcern, ReadPreference,
+    SelectionCriteria, WriteConcern,
 };
 use mongodb::{Client, Collection, Database};
 
 use super::id::Prefix;
-use super::plan::LoadedHead;
 use secrecy::ExposeSecret;
 
 use crate::config::Settings;
@@ -108,6 +111,8 @@ pub struct BucketStore {
     /// `write_concern` as the raw `update` command spells it, encoded once.
     write_concern_doc: RawDocumentBuf,
     load_concurrency: usize,
+    /// Whether `load_heads` probes first (see `heads`), shared by clones.
+    probe_first: Arc<AtomicBool>,
     /// `timeouts.mongodb_operation`: every operation's bound (see
     /// [`bounded`]).
     operation_limit: Duration,
@@ -176,6 +181,7 @@ impl BucketStore {
             write_concern_doc: write_concern_doc(&write_concern),
             write_concern,
             load_concurrency: m.load_concurrency,
+            probe_first: Arc::new(AtomicBool::new(true)),
             operation_limit: t.mongodb_operation,
         })
     }
@@ -212,41 +218,6 @@ impl BucketStore {
     /// `<database>.<collection>`.
     fn namespace(&self) -> String {
         format!("{}.{}", self.db.name(), self.coll.name())
-    }
-
-    /// The newest bucket of `customer` (highest `_id` in its prefix range),
-    /// with just the fields planning needs; a bucket whose fields we cannot
-    /// plan against is reported, not an error (see [`UnreadableBucket`](crate::bucket::plan::UnreadableBucket)).
-    pub async fn load_head(&self, customer: &CustomerId) -> Result<LoadedHead, StoreError> {
-        let options = FindOneOptions::builder()
-            .sort(doc! {"_id": -1})
-            .projection(doc! {
-                "count": 1, "cap": 1, "capBytes": 1, "bytes": 1,
-                "customerId": 1, "wm": 1, "history.key": 1,
-            })
-            .max_time(self.operation_limit)
-            .build();
-        let find = self
-            .reads
-            .find_one(self.customer_filter(customer))
-            .with_options(options);
-        let doc = bounded("find", self.operation_limit, find).await?;
-        Ok(doc.map(|d| head_from_document(&d)).transpose())
-    }
-
-    /// Loads several customers' heads, `load_concurrency` at a time.
-    pub async fn load_heads(
-        &self,
-        customers: Vec<CustomerId>,
-    ) -> Result<Vec<(CustomerId, LoadedHead)>, StoreError> {
-        futures::stream::iter(customers)
-            .map(|c| async move {
-                let head = self.load_head(&c).await?;
-                Ok::<_, StoreError>((c, head))
-            })
-            .buffer_unordered(self.load_concurrency)
-            .try_collect()
-            .await
     }
 
     /// Which of the `wanted` trade keys are stored already, and in which
