@@ -44,7 +44,7 @@ pub use error::{
     FillOutcome, InitError, InsertOutcome, StatementError, StoreError, CLIENT_REFUSED,
     DUPLICATE_KEY,
 };
-pub use heads::{resolve, Probed, PROBE_CUSTOMERS};
+pub use heads::PROBE_CUSTOMERS;
 pub use layout::{layout_conflict, ShardState, SHARD_KEY_FIELD};
 pub use write::{chunk_by_size, update_command};
 use write::{insert_failure, parse_write_reply, write_concern, write_concern_doc};
