@@ -22,7 +22,7 @@ use std::sync::atomic::Ordering;
 
 use futures::{StreamExt, TryStreamExt};
 use mongodb::bson::{doc, Document};
-use mongodb::options::FindOneOptions;
+use mongodb::options::{FindOneOptions, FindOptions};
 
 use super::{bounded, head_from_document, BucketStore, StoreError};
 use crate::bucket::id::Prefix;
@@ -183,19 +183,12 @@ impl BucketStore {
 
     /// The string `_id`s `filter` matches, highest first, at most `limit`.
     async fn newest_ids(&self, filter: Document, limit: usize) -> Result<Vec<String>, StoreError> {
-        let read = async {
-            let cursor = self
-                .reads
-                .find(filter)
-                .projection(doc! {"_id": 1})
-                .sort(doc! {"_id": -1})
-                .limit(i64::try_from(limit).unwrap_or(i64::MAX))
-                .max_time(self.operation_limit)
-                .await?;
-            let docs: Vec<Document> = cursor.try_collect().await?;
-            Ok::<_, mongodb::error::Error>(docs)
-        };
-        let docs = bounded("find", self.operation_limit, read).await?;
+        let options = FindOptions::builder()
+            .projection(doc! {"_id": 1})
+            .sort(doc! {"_id": -1})
+            .limit(i64::try_from(limit).unwrap_or(i64::MAX))
+            .build();
+        let docs = self.read_all(filter, options).await?;
         Ok(docs
             .into_iter()
             .filter_map(|d| d.get_str("_id").ok().map(str::to_string))
@@ -208,21 +201,27 @@ impl BucketStore {
         if ids.is_empty() {
             return Ok(HashMap::new());
         }
-        let read = async {
-            let cursor = self
-                .reads
-                .find(doc! {"_id": {"$in": ids}})
-                .projection(head_fields())
-                .max_time(self.operation_limit)
-                .await?;
-            let docs: Vec<Document> = cursor.try_collect().await?;
-            Ok::<_, mongodb::error::Error>(docs)
-        };
-        let docs = bounded("find", self.operation_limit, read).await?;
+        let options = FindOptions::builder().projection(head_fields()).build();
+        let docs = self.read_all(doc! {"_id": {"$in": ids}}, options).await?;
         Ok(docs
             .into_iter()
             .filter_map(|d| Some((d.get_str("_id").ok()?.to_string(), d)))
             .collect())
+    }
+
+    /// Every document of a decisive read (see the store's module docs),
+    /// within the operation limit.
+    async fn read_all(
+        &self,
+        filter: Document,
+        mut options: FindOptions,
+    ) -> Result<Vec<Document>, StoreError> {
+        options.max_time = Some(self.operation_limit);
+        let read = async {
+            let cursor = self.reads.find(filter).with_options(options).await?;
+            cursor.try_collect::<Vec<Document>>().await
+        };
+        bounded("find", self.operation_limit, read).await
     }
 }
 
