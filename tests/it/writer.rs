@@ -654,9 +654,10 @@ async fn trades_of_a_cached_bucket_deleted_by_hand_are_stored_when_sent_again() 
 /// cuts its answer and the rest are loaded one by one), and with buckets
 /// another tool named (`<customer>_legacy`, the highest `_id` of its
 /// range). Two hundred customers, half never written: the probing load
-/// sends a few `find`s where one per customer sent two hundred, and a load
-/// of customers that all have buckets turns probing off, one of customers
-/// that have none turns it back on.
+/// sends at most one `find` per written customer plus two per group of 64
+/// (where one per customer sends two hundred), and a load of customers
+/// that all have buckets turns probing off, one of customers that have
+/// none turns it back on.
 #[tokio::test]
 async fn probed_heads_are_the_heads_one_find_per_customer_reads() {
     let env = TestEnv::new("writer-probe", 1).await;
