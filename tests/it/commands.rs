@@ -446,6 +446,59 @@ fn binary(
     (out.status.code(), text(&out.stdout), text(&out.stderr))
 }
 
+/// A collection that compares text other than byte by byte is refused by
+/// `init`, at the worker's start and by reconcile: under a case-insensitive
+/// default collation `abc_1` and `ABC_1` are one `_id`, and under a
+/// collated unique index on trade keys `t1` and `T1` are one key, so the
+/// second of two different trades would be taken for a copy and not
+/// stored. Once the collated index is dropped, `init` goes ahead.
+#[tokio::test]
+async fn a_collection_that_does_not_compare_bytes_is_refused() {
+    let case_insensitive = doc! {"locale": "en", "strength": 2};
+    let env = TestEnv::new("collation", 1).await;
+    let db = env.store().await.client().database(&env.db);
+    db.run_command(doc! {"create": "trades", "collation": case_insensitive.clone()})
+        .await
+        .expect("create a case-insensitive collection");
+    match env.store().await.init().await {
+        Err(InitError::Layout(why)) => {
+            assert!(why.contains("\"en\"") && why.contains(&env.db), "{why}")
+        }
+        other => panic!("expected a collation refusal, got {other:?}"),
+    }
+    let vars = env.vars(&[]);
+    for command in ["init", "run", "reconcile"] {
+        let (code, _, stderr) = binary(command, &vars);
+        assert_ne!(code, Some(0), "{command}: {stderr}");
+        assert!(
+            stderr.contains("docs/operations.md#collation"),
+            "{command}: {stderr}"
+        );
+    }
+    env.cleanup().await;
+
+    let env = TestEnv::new("collation-index", 1).await;
+    let store = env.store().await;
+    store.init().await.expect("a new collection compares bytes");
+    let index = doc! {"key": {"history.key": 1}, "name": "keys_ci", "unique": true,
+    "collation": case_insensitive};
+    let db = store.client().database(&env.db);
+    db.run_command(doc! {"createIndexes": "trades", "indexes": [index]})
+        .await
+        .expect("a collated unique index");
+    match store.init().await {
+        Err(InitError::Layout(why)) => assert!(why.contains("keys_ci"), "{why}"),
+        other => panic!("expected a collation refusal, got {other:?}"),
+    }
+    store
+        .collection()
+        .drop_index("keys_ci")
+        .await
+        .expect("drop it");
+    store.init().await.expect("init once the index is gone");
+    env.cleanup().await;
+}
+
 /// A collection laid out for the other mode is refused, by `init` and at
 /// the worker's start, with what to do; and `init` of sharded mode refuses
 /// buckets whose `customerId` it would not find.

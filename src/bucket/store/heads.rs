@@ -53,7 +53,8 @@ pub enum Probed {
 /// has no bucket if the answer was not cut, or if the prefix sorts above
 /// the last `_id` returned (its whole range was read). Otherwise it is
 /// unknown. Strings compare by bytes here as in MongoDB (the collection's
-/// simple collation, which the `_id` ranges rely on throughout).
+/// simple collation, which the `_id` ranges rely on throughout, and
+/// which `init` checks: [`super::layout::collation_conflict`]).
 pub fn resolve(prefixes: &[Prefix], ids: &[String], limit: usize) -> Vec<Probed> {
     let mut newest: HashMap<&str, &str> = HashMap::new();
     for id in ids {

@@ -3,7 +3,7 @@
 
 use futures::TryStreamExt;
 use mongodb::bson::{doc, Document};
-use mongodb::options::IndexOptions;
+use mongodb::options::{Collation, IndexOptions};
 use mongodb::IndexModel;
 
 use super::error::{command_code, InitError, StoreError};
@@ -45,7 +45,12 @@ impl BucketStore {
     /// need, and is [`BucketStore::init_and_shard`]'s.
     pub async fn init(&self) -> Result<ShardState, InitError> {
         let existing = self.index_models().await?;
-        if let Some(conflict) = layout_conflict(&existing, self.sharded, &self.namespace()) {
+        let default = self.default_collation().await?;
+        let ns = self.namespace();
+        if let Some(why) = collation_conflict(default.as_ref(), &existing, &ns) {
+            return Err(InitError::Layout(why));
+        }
+        if let Some(conflict) = layout_conflict(&existing, self.sharded, &ns) {
             return Err(InitError::Layout(conflict));
         }
         let state = self.shard_state().await?;
@@ -120,6 +125,33 @@ impl BucketStore {
         Ok(have
             .iter()
             .any(|m| unique(m) && Some(&m.keys) == wanted.as_ref()))
+    }
+
+    /// Why the collection does not compare strings byte by byte, if it
+    /// does not ([`collation_conflict`]): what reconcile checks before it
+    /// trusts a key lookup.
+    pub async fn collation_conflict(&self) -> Result<Option<String>, StoreError> {
+        let indexes = self.index_models().await?;
+        let default = self.default_collation().await?;
+        Ok(collation_conflict(
+            default.as_ref(),
+            &indexes,
+            &self.namespace(),
+        ))
+    }
+
+    /// The collection's default collation; none if it has the simple one
+    /// or does not exist yet.
+    async fn default_collation(&self) -> Result<Option<Collation>, StoreError> {
+        let list = async {
+            let listed = self
+                .db
+                .list_collections()
+                .filter(doc! {"name": self.coll.name()});
+            let specs: Vec<_> = listed.await?.try_collect().await?;
+            Ok::<_, mongodb::error::Error>(specs.into_iter().find_map(|s| s.options.collation))
+        };
+        bounded("listCollections", self.operation_limit, list).await
     }
 
     /// The collection's indexes; none if it does not exist yet.
@@ -307,6 +339,50 @@ pub fn layout_conflict(indexes: &[IndexModel], sharded: bool, ns: &str) -> Optio
     }
 }
 
+/// Why the collection does not compare strings byte by byte, if it does
+/// not: its default collation, or a unique index's, is not the simple
+/// one. Every guarantee keyed on text rests on byte comparison: a
+/// customer's `_id` range and its newest bucket (the sort), a trade key's
+/// lookup, and the unique indexes that stop a second copy. Under a
+/// case-insensitive collation, customers `abc` and `ABC` would share an
+/// `_id` and trade keys `t1` and `T1` one slot: the second trade would be
+/// taken for a copy of the first and never stored. The default collation
+/// is fixed when the collection is created, so only a new collection
+/// fixes it; a unique index can be dropped. Non-unique indexes with a
+/// collation are harmless: a query without that collation never uses them.
+pub fn collation_conflict(
+    default: Option<&Collation>,
+    indexes: &[IndexModel],
+    ns: &str,
+) -> Option<String> {
+    let not_simple = |c: Option<&Collation>| c.is_some_and(|c| c.locale != "simple");
+    if let Some(c) = default.filter(|&c| not_simple(Some(c))) {
+        return Some(format!(
+            "{ns} was created with the default collation {{locale: {:?}}}: tradebucket \
+             compares customer ids and trade keys byte by byte, and under this collation \
+             two different ones can compare equal, so a trade would be taken for a copy \
+             and not stored. A collection's collation cannot be changed: use a collection \
+             created without one (see docs/operations.md#collation)",
+            c.locale
+        ));
+    }
+    let collated: Vec<String> = indexes
+        .iter()
+        .filter_map(|m| m.options.as_ref())
+        .filter(|o| o.unique == Some(true) && not_simple(o.collation.as_ref()))
+        .map(|o| o.name.clone().unwrap_or_default())
+        .collect();
+    (!collated.is_empty()).then(|| {
+        format!(
+            "{ns} has unique indexes with a collation other than the simple one ({}): \
+             under them two different trade keys can collide, so a trade would be taken \
+             for a copy and not stored. Drop them (dropIndex) and run `tradebucket init` \
+             (see docs/operations.md#collation)",
+            collated.join(", ")
+        )
+    })
+}
+
 /// Whether an index key pattern is exactly `fields`, in order, ascending.
 fn is_key(keys: &Document, fields: &[&str]) -> bool {
     keys.len() == fields.len()
@@ -380,5 +456,38 @@ mod tests {
         }
         let scoped = vec![index("s", doc! {"customerId": 1_i64, "prev": 1}, true)];
         assert!(layout_conflict(&scoped, false, ns).is_some());
+    }
+
+    fn collation(locale: &str) -> Collation {
+        Collation::builder().locale(locale.to_string()).build()
+    }
+
+    fn collated(name: &str, keys: Document, unique: bool, locale: &str) -> IndexModel {
+        let mut m = index(name, keys, unique);
+        m.options.as_mut().unwrap().collation = Some(collation(locale));
+        m
+    }
+
+    #[test]
+    fn only_byte_comparison_is_accepted() {
+        let ns = "db.trades";
+        let ours = index_models(false);
+        assert_eq!(collation_conflict(None, &ours, ns), None);
+        assert_eq!(
+            collation_conflict(Some(&collation("simple")), &ours, ns),
+            None
+        );
+        let why = collation_conflict(Some(&collation("en")), &ours, ns).expect("refused");
+        assert!(why.contains("\"en\"") && why.contains(ns), "{why}");
+        // A unique index under a collation is refused, named; a plain one
+        // is not: a query without its collation never uses it.
+        let mut with = ours.clone();
+        with.push(collated("keys_ci", doc! {"history.key": 1}, true, "en"));
+        let why = collation_conflict(None, &with, ns).expect("refused");
+        assert!(why.contains("keys_ci"), "{why}");
+        let mut plain = ours.clone();
+        plain.push(collated("tickers_ci", doc! {"tickers": 1}, false, "fr"));
+        plain.push(collated("simple", doc! {"prev": 1}, true, "simple"));
+        assert_eq!(collation_conflict(None, &plain, ns), None);
     }
 }
