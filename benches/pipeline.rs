@@ -36,10 +36,10 @@ use serde_json::json;
 
 use testkit::{free_port, http_get, poll_until, Log, WorkerProcess};
 use tradebucket::bucket::plan::{self, Event};
-use tradebucket::bucket::store::{bucket_document, BucketStore};
+use tradebucket::bucket::store::{bucket_document, fill_statement, BucketStore};
 use tradebucket::cli::{self, ProduceOptions};
 use tradebucket::config::Settings;
-use tradebucket::event::{self, Source, Trade};
+use tradebucket::event::{self, CustomerId, Source, Trade};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -440,11 +440,12 @@ async fn worker_runs(
     Ok((first, Some((run, ceiling))))
 }
 
-/// The database ceiling for the second set: its trades as final buckets
-/// chained onto the first set's (`heads`, each customer's newest bucket in
-/// the ceiling collection), inserted into that collection, which holds the
-/// first set's. How much a bare insert slows as the collection grows,
-/// beside what the worker's second set shows.
+/// The database ceiling for the second set: the least a worker restarted
+/// on the first set's buckets must do (`heads`, each customer's newest
+/// bucket in the ceiling collection, which holds the first set's): read
+/// each customer's newest bucket, complete the open ones, insert the
+/// rest as final buckets. What the database makes the second million cost
+/// any writer, beside what the worker's second set shows.
 async fn second_ceiling(
     args: &Args,
     target: &Target,
@@ -463,11 +464,12 @@ async fn second_ceiling(
     let db = database_ceiling(target, &messages, args.ceiling_concurrency, &cpu, heads).await?;
     let rate = db.trades as f64 / db.seconds;
     eprintln!(
-        "bench: database ceiling, second set {rate:.0} trades/s ({} documents, {} trades), CPU-s per million trades {}",
-        db.documents, db.trades, db.cpu
+        "bench: database ceiling, second set {rate:.0} trades/s ({} documents, {} trades, restart work {}), CPU-s per million trades {}",
+        db.documents, db.trades, db.restart.clone().unwrap_or_default(), db.cpu
     );
     let entry = json!({"seconds": db.seconds, "trades_per_second": rate,
-                       "documents": db.documents, "trades": db.trades, "cpu_per_million": db.cpu});
+                       "documents": db.documents, "trades": db.trades,
+                       "restart": db.restart, "cpu_per_million": db.cpu});
     Ok(entry)
 }
 
@@ -701,8 +703,9 @@ fn decode_all(topic: &str, messages: &[Msg]) -> anyhow::Result<(Vec<Trade>, Vec<
 
 /// The final bucket documents, planned offline with the product's own
 /// planner after `heads`, inserted with unordered bulk inserts at the
-/// worker's write concern: what the database can absorb at all. CPU is
-/// per trade inserted.
+/// worker's write concern: what the database can absorb at all. After an
+/// earlier set (`heads` not empty) the least a restarted worker must do
+/// first, [`restart_work`], counts too. CPU is per trade of the set.
 async fn database_ceiling(
     target: &Target,
     messages: &[Msg],
@@ -711,8 +714,8 @@ async fn database_ceiling(
     heads: &Heads,
 ) -> anyhow::Result<DatabaseCeiling> {
     let limits = plan::Limits::with_capacity(target.settings().buckets.capacity);
-    let (docs, trades, heads) = final_buckets(&target.topic, messages, limits, heads)?;
-    let n_docs = docs.len();
+    let work = final_work(&target.topic, messages, limits, heads)?;
+    let (n_docs, trades) = (work.docs.len(), work.inserted + work.filled);
     let s = target
         .clone()
         .with_var("TRADEBUCKET__MONGODB__COLLECTION", "ceiling")
@@ -721,14 +724,33 @@ async fn database_ceiling(
     store.init().await?;
     // The same encoded documents the worker would send.
     let coll = store.collection().clone_with_type::<RawDocumentBuf>();
-    let chunks: Vec<Vec<RawDocumentBuf>> =
-        docs.chunks(1000).map(<[RawDocumentBuf]>::to_vec).collect();
-    drop(docs);
-    // Only the inserts count: planning and encoding above are the bench's.
+    let chunks: Vec<Vec<RawDocumentBuf>> = work
+        .docs
+        .chunks(1000)
+        .map(<[RawDocumentBuf]>::to_vec)
+        .collect();
+    // Only the writes count: planning and encoding above are the bench's.
     // This process's own CPU meanwhile is the driver's for sending those
     // bytes: the floor of the worker's own writing.
     let (before, own) = (cpu.snapshot(None), cpu.seconds(std::process::id()));
     let started = Instant::now();
+    let restart = if heads.is_empty() {
+        None
+    } else {
+        let fills = work.fills.len();
+        let (head_seconds, fill_seconds) = restart_work(
+            &store,
+            &work.customers,
+            work.fills,
+            s.mongodb.load_concurrency,
+        )
+        .await?;
+        Some(
+            json!({"heads": work.customers.len(), "head_seconds": head_seconds,
+                    "fills": fills, "filled_trades": work.filled,
+                    "fill_seconds": fill_seconds}),
+        )
+    };
     insert_all(&coll, chunks, concurrency, s.mongodb.journal).await?;
     let seconds = started.elapsed().as_secs_f64();
     let own_after = cpu.seconds(std::process::id());
@@ -740,9 +762,10 @@ async fn database_ceiling(
         seconds,
         documents: n_docs,
         trades,
+        restart,
         indexes: index_keys(store.collection()).await?,
         cpu: before.per_million(&cpu.snapshot(None), trades as u64),
-        heads,
+        heads: work.heads,
     })
 }
 
@@ -750,18 +773,31 @@ async fn database_ceiling(
 /// second set's ceiling chains onto the first set's.
 type Heads = HashMap<String, plan::BucketHead>;
 
-/// The buckets one clean pass would leave, encoded as the worker encodes
-/// them: every customer's trades planned after `heads` (its newest bucket
-/// from an earlier set, if any). Only new buckets are kept: the trades
-/// that would top up an earlier set's open bucket are left out (so each
-/// set's ceiling is a bare insert), and counted apart. Returns the
-/// documents, the trades they hold, and the heads after them.
-fn final_buckets(
+/// The database work one clean pass would do, encoded as the worker
+/// encodes it: every customer's trades planned after `heads` (its newest
+/// bucket from an earlier set, if any).
+struct FinalWork {
+    /// The new buckets.
+    docs: Vec<RawDocumentBuf>,
+    /// Trades in `docs`.
+    inserted: usize,
+    /// One fill statement per customer whose newest bucket from an
+    /// earlier set is open: the trades that complete it.
+    fills: Vec<RawDocumentBuf>,
+    /// Trades in `fills`.
+    filled: usize,
+    /// Every customer of this set, once.
+    customers: Vec<CustomerId>,
+    /// Each customer's newest bucket after this work.
+    heads: Heads,
+}
+
+fn final_work(
     topic: &str,
     messages: &[Msg],
     limits: plan::Limits,
     heads: &Heads,
-) -> anyhow::Result<(Vec<RawDocumentBuf>, usize, Heads)> {
+) -> anyhow::Result<FinalWork> {
     let (trades, sources) = decode_all(topic, messages)?;
     // Stream order per customer: by partition, then offset (keyed by
     // customer, so one partition each).
@@ -772,7 +808,14 @@ fn final_buckets(
         let customer = trades[i].customer.id_text();
         per_customer.entry(customer).or_default().push(i);
     }
-    let (mut docs, mut inserted, mut after) = (Vec::new(), 0, Heads::new());
+    let mut work = FinalWork {
+        docs: Vec::new(),
+        inserted: 0,
+        fills: Vec::new(),
+        filled: 0,
+        customers: Vec::new(),
+        heads: Heads::new(),
+    };
     for (key, indices) in &per_customer {
         let events: Vec<Event<'_>> = indices
             .iter()
@@ -783,18 +826,59 @@ fn final_buckets(
             })
             .collect();
         let customer = &trades[indices[0]].customer;
+        work.customers.push(customer.clone());
         let head = heads.get(key);
         let p = plan::plan_customer(customer, head, &events, &plan::Known::default(), limits);
+        let of = |idx: &[usize]| idx.iter().map(|&i| &trades[i]).collect::<Vec<&Trade>>();
+        if let Some(fill) = &p.fill {
+            work.filled += fill.events.len();
+            work.fills
+                .push(fill_statement(fill, &of(&fill.events), None));
+        }
         for b in &p.new_buckets {
-            let ts: Vec<&Trade> = b.events.iter().map(|&i| &trades[i]).collect();
-            inserted += ts.len();
-            docs.push(bucket_document(b, &ts));
+            work.inserted += b.events.len();
+            work.docs.push(bucket_document(b, &of(&b.events)));
         }
         if let Some(h) = p.after {
-            after.insert(key.clone(), h);
+            work.heads.insert(key.clone(), h);
         }
     }
-    Ok((docs, inserted, after))
+    Ok(work)
+}
+
+/// What a worker restarted on a collection of open buckets must do before
+/// its inserts, at the least: read each customer's newest bucket (one
+/// indexed `find` each, `concurrency` at a time, as the worker does for
+/// customers that have buckets, at its `mongodb.load_concurrency`) and complete each open one (one fill
+/// statement per customer, in the worker's `update` commands). Returns the
+/// seconds of each.
+async fn restart_work(
+    store: &BucketStore,
+    customers: &[CustomerId],
+    fills: Vec<RawDocumentBuf>,
+    concurrency: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let started = Instant::now();
+    let mut loads = futures::stream::iter(customers)
+        .map(|c| store.load_head(c))
+        .buffer_unordered(concurrency.max(1));
+    while let Some(head) = loads.next().await {
+        anyhow::ensure!(
+            head?.is_ok_and(|h| h.is_some()),
+            "a ceiling head is missing"
+        );
+    }
+    let heads = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let statements = fills.len() as u64;
+    let outcome = store.apply_fills(fills).await?;
+    anyhow::ensure!(
+        outcome.errors.is_empty() && outcome.matched == statements,
+        "ceiling fills: {} of {statements} matched, first refusal {:?}",
+        outcome.matched,
+        outcome.errors.first()
+    );
+    Ok((heads, started.elapsed().as_secs_f64()))
 }
 
 /// Unordered inserts of `chunks` at majority, `concurrency` at a time.
@@ -831,9 +915,10 @@ async fn insert_all(
 struct DatabaseCeiling {
     seconds: f64,
     documents: usize,
-    /// Trades in those documents: all of the set's, but for the second
-    /// set's ceiling those that would top up the first set's open buckets.
+    /// Trades written: all of the set's.
     trades: usize,
+    /// After an earlier set, what [`restart_work`] did and took.
+    restart: Option<serde_json::Value>,
     /// The ceiling collection's index key patterns: the product's own
     /// (`BucketStore::init` created them), checked against the worker's
     /// collection after its run.

@@ -39,6 +39,13 @@ cores = m["cores"]
 # Both servers at their ceilings' cost per event, sharing the machine's
 # cores, and nothing else: the most events/s this machine could carry.
 bound = cores * 1e6 / (kafka_cpu + db_cpu) if kafka_cpu and db_cpu else None
+# The second set's bound: the same broker cost (the Kafka ceiling reads the
+# first million), and the database's for the least a restarted worker must
+# do there (read each customer's newest bucket, complete the open ones,
+# insert the rest), per trade of the set.
+db2 = r.get("database_ceiling_second")
+db2_cpu = cpu(db2, "database") if db2 else None
+bound2 = cores * 1e6 / (kafka_cpu + db2_cpu) if kafka_cpu and db2_cpu else None
 
 def rate(x): return f"{x:,.0f}"
 def verdict(ok): return "not shown by this run" if ok is None else ("**holds**" if ok else "**misses**")
@@ -204,6 +211,13 @@ if second:
     second_ratio = second["events_per_second"] / tb
     targets.append(target("second million within 10 % of the first", f"{second_ratio:.2f} × the first",
                           abs(second_ratio - 1) <= 0.10))
+    if bound and bound2:
+        share, share2 = tb / bound, second["events_per_second"] / bound2
+        targets.append(target(
+            "second million within 10 % of the first, each as a share of its own co-located bound"
+            " (the second's counts the least work a restart needs: the database's floor)",
+            f"{share2:.2f} × its bound ({rate(bound2)}/s) against the first's {share:.2f} × = {share2 / share:.2f} ×",
+            share2 >= 0.9 * share))
 
 # The chart: trades stored over time for both sets (writes land a batch
 # at a time, so the cumulative count shows the shape where a per-sample
@@ -302,9 +316,9 @@ cpu_rows = [("tradebucket, first set", first),
             ("tradebucket, second set", second),
             ("tradebucket, second set, from 10 % to 90 % of its events written", second_steady),
             ("database ceiling (inserts only)", r["database_ceiling"]),
-            ("database ceiling, second set: its new buckets, chained onto the first set's, inserted"
-             " into the collection holding them (per trade inserted)",
-             r.get("database_ceiling_second")),
+            ("database ceiling, second set: the least a restarted worker must do in the collection"
+             " holding the first set's final buckets (each customer's newest bucket read, the open ones"
+             " completed, the rest inserted), per trade of the set", db2),
             ("Kafka ceiling: a plain consumer", r["kafka_read_ceiling"]),
             ("a plain consumer in its own process (worker column: its own CPU)", plain),
             ("naive baseline", r["naive_baseline"])]
@@ -337,8 +351,8 @@ lines += [
     + ("–" if db_ratio is None else f"{db_ratio:.2f} ×"),
     "- database server per trade, second set ÷ first set: tradebucket "
     + ("–" if not second else f"{ratio(cpu(second, 'database'), tb_cpu.get('database')):.2f} ×")
-    + ", the final-bucket insert " + ("–" if not r.get("database_ceiling_second") else
-      f"{ratio(cpu(r['database_ceiling_second'], 'database'), db_cpu):.2f} ×"),
+    + ", the database ceiling (the second's with the least restart work) "
+    + ("–" if not db2 else f"{ratio(db2_cpu, db_cpu):.2f} ×"),
     "- broker per event, tradebucket ÷ a plain consumer of the same backlog: "
     + ("–" if broker_ratio is None else f"{broker_ratio:.2f} ×"),
     "- plain consumer µs/event (the consumer process's own CPU, librdkafka's defaults, reading"
@@ -351,6 +365,14 @@ lines += [
       f"{cores} cores ÷ ({us(kafka_cpu)} µs broker + {us(db_cpu)} µs database) = {rate(bound)} events/s;"
       f" tradebucket reached {tb / bound:.2f} × of it"
       + ("" if not tb_steady else f" ({tb_steady / bound:.2f} × from 10 % to 90 % of its events written)")),
+    "- the second set's co-located bound: " + ("–" if bound2 is None else
+      f"{cores} cores ÷ ({us(kafka_cpu)} µs broker + {us(db2_cpu)} µs database, the least restart work) ="
+      f" {rate(bound2)} events/s; tradebucket's second set reached {second['events_per_second'] / bound2:.2f} × of it"),
+    "- the second set's database ceiling, its restart work: " + ("–" if not (db2 or {}).get("restart") else
+      f"{db2['restart']['heads']:,} newest buckets read in {db2['restart']['head_seconds']:.1f} s,"
+      f" {db2['restart']['fills']:,} open buckets completed ({db2['restart']['filled_trades']:,} trades)"
+      f" in {db2['restart']['fill_seconds']:.1f} s, then {db2['documents']:,} buckets inserted;"
+      f" {db2['seconds']:.1f} s in all against the first set's ceiling's {r['database_ceiling']['seconds']:.1f} s"),
     "- the ceiling collection has the product's indexes (checked against the worker's): "
     + ", ".join(f"`{k}`" for k in r["database_ceiling"].get("indexes", [])),
 ]
