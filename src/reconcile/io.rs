@@ -76,10 +76,11 @@ pub enum ReconcileError {
     Dlq(#[from] DlqError),
     #[error("topic {0} does not exist")]
     NoTopic(String),
-    /// The collection compares text other than byte by byte: a key lookup
-    /// could find a different key and call a lost trade stored.
+    /// The collection cannot hold buckets as the guarantees need (a
+    /// collation, for one, lets a key lookup find a different key and
+    /// call a lost trade stored).
     #[error("{0}")]
-    Collation(String),
+    Collection(String),
     #[error(transparent)]
     Mapping(#[from] MappingError),
     #[error("{topic} partition {partition}: no record arrived for {limit:?} at offset {at} (reading up to {to})")]
@@ -147,8 +148,8 @@ pub async fn run_with(
     let client = kafka::reader_client(settings, &settings.kafka.group_id)?;
     let spans = spans(&client, settings, opts)?;
     let total: i64 = spans.iter().map(|s| s.to - s.from).sum();
-    if let Some(why) = store.collation_conflict().await? {
-        return Err(ReconcileError::Collation(why));
+    if let Some(why) = store.collection_conflict().await? {
+        return Err(ReconcileError::Collection(why));
     }
     let trusted = store.trade_keys_are_unique().await?;
     if !trusted {

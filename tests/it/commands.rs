@@ -446,56 +446,66 @@ fn binary(
     (out.status.code(), text(&out.stdout), text(&out.stderr))
 }
 
-/// A collection that compares text other than byte by byte is refused by
-/// `init`, at the worker's start and by reconcile: under a case-insensitive
-/// default collation `abc_1` and `ABC_1` are one `_id`, and under a
-/// collated unique index on trade keys `t1` and `T1` are one key, so the
-/// second of two different trades would be taken for a copy and not
-/// stored. Once the collated index is dropped, `init` goes ahead.
+/// A collection that would lose trades without an error is refused by
+/// `init`, at the worker's start and by reconcile: one that compares text
+/// other than byte by byte (under a case-insensitive default collation
+/// `abc_1` and `ABC_1` are one `_id`; under a collated unique index on
+/// trade keys `t1` and `T1` are one key, so the second of two different
+/// trades would be taken for a copy), and one whose buckets MongoDB
+/// deletes on its own (capped, or with a TTL index). Once the offending
+/// index is dropped, `init` goes ahead.
 #[tokio::test]
-async fn a_collection_that_does_not_compare_bytes_is_refused() {
+async fn a_collection_that_would_lose_trades_is_refused() {
     let case_insensitive = doc! {"locale": "en", "strength": 2};
-    let env = TestEnv::new("collation", 1).await;
-    let db = env.store().await.client().database(&env.db);
-    db.run_command(doc! {"create": "trades", "collation": case_insensitive.clone()})
-        .await
-        .expect("create a case-insensitive collection");
-    match env.store().await.init().await {
-        Err(InitError::Layout(why)) => {
-            assert!(why.contains("\"en\"") && why.contains(&env.db), "{why}")
+    for (create, says) in [
+        (doc! {"collation": case_insensitive.clone()}, "\"en\""),
+        (doc! {"capped": true, "size": 1_048_576}, "capped"),
+    ] {
+        let env = TestEnv::new("collection-options", 1).await;
+        let db = env.store().await.client().database(&env.db);
+        let mut command = doc! {"create": "trades"};
+        command.extend(create);
+        db.run_command(command)
+            .await
+            .expect("create the collection");
+        match env.store().await.init().await {
+            Err(InitError::Layout(why)) => {
+                assert!(why.contains(says) && why.contains(&env.db), "{why}")
+            }
+            other => panic!("expected a refusal ({says}), got {other:?}"),
         }
-        other => panic!("expected a collation refusal, got {other:?}"),
+        let vars = env.vars(&[]);
+        for command in ["init", "run", "reconcile"] {
+            let (code, _, stderr) = binary(command, &vars);
+            assert_ne!(code, Some(0), "{command}: {stderr}");
+            assert!(
+                stderr.contains("docs/operations.md#the-collection") && stderr.contains(says),
+                "{command}: {stderr}"
+            );
+        }
+        env.cleanup().await;
     }
-    let vars = env.vars(&[]);
-    for command in ["init", "run", "reconcile"] {
-        let (code, _, stderr) = binary(command, &vars);
-        assert_ne!(code, Some(0), "{command}: {stderr}");
-        assert!(
-            stderr.contains("docs/operations.md#collation"),
-            "{command}: {stderr}"
-        );
-    }
-    env.cleanup().await;
 
-    let env = TestEnv::new("collation-index", 1).await;
+    let env = TestEnv::new("collection-indexes", 1).await;
     let store = env.store().await;
-    store.init().await.expect("a new collection compares bytes");
-    let index = doc! {"key": {"history.key": 1}, "name": "keys_ci", "unique": true,
-    "collation": case_insensitive};
+    store.init().await.expect("a collection init made");
     let db = store.client().database(&env.db);
-    db.run_command(doc! {"createIndexes": "trades", "indexes": [index]})
-        .await
-        .expect("a collated unique index");
-    match store.init().await {
-        Err(InitError::Layout(why)) => assert!(why.contains("keys_ci"), "{why}"),
-        other => panic!("expected a collation refusal, got {other:?}"),
+    for index in [
+        doc! {"key": {"history.key": 1}, "name": "keys_ci", "unique": true,
+        "collation": case_insensitive},
+        doc! {"key": {"history.date": 1}, "name": "old_pages", "expireAfterSeconds": 86_400},
+    ] {
+        let name = index.get_str("name").unwrap().to_string();
+        db.run_command(doc! {"createIndexes": "trades", "indexes": [index]})
+            .await
+            .expect("create the index");
+        match store.init().await {
+            Err(InitError::Layout(why)) => assert!(why.contains(&name), "{why}"),
+            other => panic!("expected {name} refused, got {other:?}"),
+        }
+        store.collection().drop_index(&name).await.expect("drop it");
+        store.init().await.expect("init once the index is gone");
     }
-    store
-        .collection()
-        .drop_index("keys_ci")
-        .await
-        .expect("drop it");
-    store.init().await.expect("init once the index is gone");
     env.cleanup().await;
 }
 

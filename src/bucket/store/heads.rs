@@ -54,7 +54,7 @@ pub enum Probed {
 /// the last `_id` returned (its whole range was read). Otherwise it is
 /// unknown. Strings compare by bytes here as in MongoDB (the collection's
 /// simple collation, which the `_id` ranges rely on throughout, and
-/// which `init` checks: [`super::layout::collation_conflict`]).
+/// which `init` checks: [`super::layout::collection_conflict`]).
 pub fn resolve(prefixes: &[Prefix], ids: &[String], limit: usize) -> Vec<Probed> {
     let mut newest: HashMap<&str, &str> = HashMap::new();
     for id in ids {

@@ -3,7 +3,8 @@
 
 use futures::TryStreamExt;
 use mongodb::bson::{doc, Document};
-use mongodb::options::{Collation, IndexOptions};
+use mongodb::options::IndexOptions;
+use mongodb::results::{CollectionSpecification, CollectionType};
 use mongodb::IndexModel;
 
 use super::error::{command_code, InitError, StoreError};
@@ -45,9 +46,9 @@ impl BucketStore {
     /// need, and is [`BucketStore::init_and_shard`]'s.
     pub async fn init(&self) -> Result<ShardState, InitError> {
         let existing = self.index_models().await?;
-        let default = self.default_collation().await?;
+        let spec = self.specification().await?;
         let ns = self.namespace();
-        if let Some(why) = collation_conflict(default.as_ref(), &existing, &ns) {
+        if let Some(why) = collection_conflict(spec.as_ref(), &existing, &ns) {
             return Err(InitError::Layout(why));
         }
         if let Some(conflict) = layout_conflict(&existing, self.sharded, &ns) {
@@ -127,29 +128,26 @@ impl BucketStore {
             .any(|m| unique(m) && Some(&m.keys) == wanted.as_ref()))
     }
 
-    /// Why the collection does not compare strings byte by byte, if it
-    /// does not ([`collation_conflict`]): what reconcile checks before it
-    /// trusts a key lookup.
-    pub async fn collation_conflict(&self) -> Result<Option<String>, StoreError> {
+    /// Why the collection cannot hold buckets as the guarantees need, if
+    /// it cannot ([`collection_conflict`]): what reconcile checks before
+    /// it trusts a key lookup.
+    pub async fn collection_conflict(&self) -> Result<Option<String>, StoreError> {
         let indexes = self.index_models().await?;
-        let default = self.default_collation().await?;
-        Ok(collation_conflict(
-            default.as_ref(),
-            &indexes,
-            &self.namespace(),
-        ))
+        let spec = self.specification().await?;
+        let ns = self.namespace();
+        Ok(collection_conflict(spec.as_ref(), &indexes, &ns))
     }
 
-    /// The collection's default collation; none if it has the simple one
-    /// or does not exist yet.
-    async fn default_collation(&self) -> Result<Option<Collation>, StoreError> {
+    /// What `listCollections` says of the collection; none if it does not
+    /// exist yet.
+    async fn specification(&self) -> Result<Option<CollectionSpecification>, StoreError> {
         let list = async {
             let listed = self
                 .db
                 .list_collections()
                 .filter(doc! {"name": self.coll.name()});
             let specs: Vec<_> = listed.await?.try_collect().await?;
-            Ok::<_, mongodb::error::Error>(specs.into_iter().find_map(|s| s.options.collation))
+            Ok::<_, mongodb::error::Error>(specs.into_iter().next())
         };
         bounded("listCollections", self.operation_limit, list).await
     }
@@ -339,48 +337,89 @@ pub fn layout_conflict(indexes: &[IndexModel], sharded: bool, ns: &str) -> Optio
     }
 }
 
-/// Why the collection does not compare strings byte by byte, if it does
-/// not: its default collation, or a unique index's, is not the simple
-/// one. Every guarantee keyed on text rests on byte comparison: a
-/// customer's `_id` range and its newest bucket (the sort), a trade key's
-/// lookup, and the unique indexes that stop a second copy. Under a
-/// case-insensitive collation, customers `abc` and `ABC` would share an
-/// `_id` and trade keys `t1` and `T1` one slot: the second trade would be
-/// taken for a copy of the first and never stored. The default collation
-/// is fixed when the collection is created, so only a new collection
-/// fixes it; a unique index can be dropped. Non-unique indexes with a
-/// collation are harmless: a query without that collation never uses them.
-pub fn collation_conflict(
-    default: Option<&Collation>,
+/// Why the collection cannot hold buckets as the guarantees need, if it
+/// cannot: it is not a plain collection, the server deletes its documents
+/// on its own (capped, a TTL), or it compares text other than byte by
+/// byte (a collation). Each would lose trades with no error: a deleted
+/// bucket takes its trades, and under a case-insensitive collation
+/// customers `abc` and `ABC` share an `_id`, trade keys `t1` and `T1` one
+/// slot, so the second trade is taken for a copy of the first. Every
+/// guarantee keyed on text rests on byte comparison: a customer's `_id`
+/// range, its newest bucket (the sort), a trade key's lookup and the
+/// unique indexes.
+pub fn collection_conflict(
+    spec: Option<&CollectionSpecification>,
     indexes: &[IndexModel],
     ns: &str,
 ) -> Option<String> {
-    let not_simple = |c: Option<&Collation>| c.is_some_and(|c| c.locale != "simple");
-    if let Some(c) = default.filter(|&c| not_simple(Some(c))) {
-        return Some(format!(
+    spec.and_then(|s| options_conflict(s, ns))
+        .or_else(|| index_conflict(indexes, ns))
+        .map(|why| format!("{why} (see docs/operations.md#the-collection)"))
+}
+
+/// What the collection's own options make impossible. The options are
+/// fixed at creation: only another collection fixes them.
+fn options_conflict(spec: &CollectionSpecification, ns: &str) -> Option<String> {
+    let o = &spec.options;
+    let why = if spec.collection_type != CollectionType::Collection {
+        format!(
+            "{ns} is a {:?}, not a collection of documents",
+            spec.collection_type
+        )
+    } else if o.capped == Some(true) {
+        format!("{ns} is capped: MongoDB removes its oldest buckets when it is full")
+    } else if o.expire_after_seconds.is_some() {
+        format!("{ns} expires its documents (expireAfterSeconds): MongoDB removes buckets")
+    } else if let Some(c) = o.collation.as_ref().filter(|c| c.locale != "simple") {
+        format!(
             "{ns} was created with the default collation {{locale: {:?}}}: tradebucket \
-             compares customer ids and trade keys byte by byte, and under this collation \
-             two different ones can compare equal, so a trade would be taken for a copy \
-             and not stored. A collection's collation cannot be changed: use a collection \
-             created without one (see docs/operations.md#collation)",
+             compares customer ids and trade keys byte by byte, and under this one two \
+             different ids can compare equal, so a trade would be taken for a copy",
             c.locale
-        ));
-    }
-    let collated: Vec<String> = indexes
-        .iter()
-        .filter_map(|m| m.options.as_ref())
-        .filter(|o| o.unique == Some(true) && not_simple(o.collation.as_ref()))
-        .map(|o| o.name.clone().unwrap_or_default())
-        .collect();
-    (!collated.is_empty()).then(|| {
+        )
+    } else {
+        return None;
+    };
+    Some(format!(
+        "{why}, and trades would be lost without an error. Use a collection created \
+         by `tradebucket init`, without these options"
+    ))
+}
+
+/// What an index adds that loses trades: a TTL index removes buckets; a
+/// unique one under a collation makes two different keys collide. Other
+/// collated indexes are harmless: a query without that collation (all of
+/// tradebucket's) never uses them.
+fn index_conflict(indexes: &[IndexModel], ns: &str) -> Option<String> {
+    let named = |keep: &dyn Fn(&IndexOptions) -> bool| -> Vec<String> {
+        let options = indexes.iter().filter_map(|m| m.options.as_ref());
+        options
+            .filter(|o| keep(o))
+            .map(|o| o.name.clone().unwrap_or_default())
+            .collect()
+    };
+    let ttl = named(&|o| o.expire_after.is_some());
+    let collated = named(&|o| {
+        o.unique == Some(true) && o.collation.as_ref().is_some_and(|c| c.locale != "simple")
+    });
+    let why = if !ttl.is_empty() {
+        format!(
+            "{ns} has TTL indexes ({}): MongoDB removes buckets",
+            ttl.join(", ")
+        )
+    } else if !collated.is_empty() {
         format!(
             "{ns} has unique indexes with a collation other than the simple one ({}): \
-             under them two different trade keys can collide, so a trade would be taken \
-             for a copy and not stored. Drop them (dropIndex) and run `tradebucket init` \
-             (see docs/operations.md#collation)",
+             two different trade keys can collide, so a trade would be taken for a copy",
             collated.join(", ")
         )
-    })
+    } else {
+        return None;
+    };
+    Some(format!(
+        "{why}, and trades would be lost without an error. Drop them (dropIndex) and \
+         run `tradebucket init`"
+    ))
 }
 
 /// Whether an index key pattern is exactly `fields`, in order, ascending.
@@ -458,36 +497,93 @@ mod tests {
         assert!(layout_conflict(&scoped, false, ns).is_some());
     }
 
-    fn collation(locale: &str) -> Collation {
-        Collation::builder().locale(locale.to_string()).build()
+    /// A `listCollections` entry as the server sends it.
+    fn spec(kind: &str, options: Document) -> CollectionSpecification {
+        let entry = doc! {"name": "trades", "type": kind, "options": options,
+        "info": {"readOnly": false}};
+        mongodb::bson::from_document(entry).expect("a listCollections entry")
     }
 
-    fn collated(name: &str, keys: Document, unique: bool, locale: &str) -> IndexModel {
-        let mut m = index(name, keys, unique);
-        m.options.as_mut().unwrap().collation = Some(collation(locale));
-        m
+    fn with_options(name: &str, keys: Document, options: Document) -> IndexModel {
+        let mut listed = doc! {"key": keys, "name": name};
+        listed.extend(options);
+        mongodb::bson::from_document(listed).expect("a listIndexes entry")
     }
 
     #[test]
-    fn only_byte_comparison_is_accepted() {
+    fn a_collection_that_would_lose_trades_is_refused() {
         let ns = "db.trades";
         let ours = index_models(false);
-        assert_eq!(collation_conflict(None, &ours, ns), None);
-        assert_eq!(
-            collation_conflict(Some(&collation("simple")), &ours, ns),
-            None
-        );
-        let why = collation_conflict(Some(&collation("en")), &ours, ns).expect("refused");
-        assert!(why.contains("\"en\"") && why.contains(ns), "{why}");
-        // A unique index under a collation is refused, named; a plain one
-        // is not: a query without its collation never uses it.
-        let mut with = ours.clone();
-        with.push(collated("keys_ci", doc! {"history.key": 1}, true, "en"));
-        let why = collation_conflict(None, &with, ns).expect("refused");
-        assert!(why.contains("keys_ci"), "{why}");
-        let mut plain = ours.clone();
-        plain.push(collated("tickers_ci", doc! {"tickers": 1}, false, "fr"));
-        plain.push(collated("simple", doc! {"prev": 1}, true, "simple"));
-        assert_eq!(collation_conflict(None, &plain, ns), None);
+        let plain = spec("collection", doc! {});
+        assert_eq!(collection_conflict(None, &ours, ns), None);
+        assert_eq!(collection_conflict(Some(&plain), &ours, ns), None);
+        // mongod lists a collation in full, with its ICU version.
+        let english = doc! {"locale": "en", "strength": 2, "numericOrdering": false,
+        "version": "57.1"};
+        let simple = spec("collection", doc! {"collation": {"locale": "simple"}});
+        assert_eq!(collection_conflict(Some(&simple), &ours, ns), None);
+        for (entry, says) in [
+            (
+                spec("collection", doc! {"collation": english.clone()}),
+                "\"en\"",
+            ),
+            (
+                spec("collection", doc! {"capped": true, "size": 4096}),
+                "capped",
+            ),
+            (
+                spec(
+                    "collection",
+                    doc! {"expireAfterSeconds": 60_i64,
+                    "clusteredIndex": {"key": {"_id": 1}, "unique": true}},
+                ),
+                "expireAfterSeconds",
+            ),
+            (
+                spec("timeseries", doc! {"timeseries": {"timeField": "t"}}),
+                "Timeseries",
+            ),
+            (
+                spec("view", doc! {"viewOn": "other", "pipeline": []}),
+                "View",
+            ),
+        ] {
+            let why = collection_conflict(Some(&entry), &ours, ns).expect(says);
+            assert!(why.contains(says) && why.contains(ns), "{why}");
+            assert!(why.contains("docs/operations.md#the-collection"), "{why}");
+        }
+        // A unique index under a collation, or a TTL index, is refused by
+        // name; a collated index that is not unique is not.
+        let refused = [
+            with_options(
+                "keys_ci",
+                doc! {"history.key": 1},
+                doc! {"unique": true, "collation": english.clone()},
+            ),
+            with_options(
+                "old_pages",
+                doc! {"history.date": 1},
+                doc! {"expireAfterSeconds": 86_400},
+            ),
+        ];
+        for index in refused {
+            let name = index.options.as_ref().unwrap().name.clone().unwrap();
+            let mut with = ours.clone();
+            with.push(index);
+            let why = collection_conflict(Some(&plain), &with, ns).expect("refused");
+            assert!(why.contains(&name), "{why}");
+        }
+        let mut harmless = ours.clone();
+        harmless.push(with_options(
+            "tickers_ci",
+            doc! {"tickers": 1},
+            doc! {"collation": english},
+        ));
+        harmless.push(with_options(
+            "prev_simple",
+            doc! {"prev": 1},
+            doc! {"unique": true, "collation": {"locale": "simple"}},
+        ));
+        assert_eq!(collection_conflict(Some(&plain), &harmless, ns), None);
     }
 }

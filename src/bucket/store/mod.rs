@@ -45,7 +45,7 @@ pub use error::{
     DUPLICATE_KEY,
 };
 pub use heads::PROBE_CUSTOMERS;
-pub use layout::{collation_conflict, layout_conflict, ShardState, SHARD_KEY_FIELD};
+pub use layout::{collection_conflict, layout_conflict, ShardState, SHARD_KEY_FIELD};
 pub use write::{chunk_by_size, update_command};
 use write::{insert_failure, parse_write_reply, write_concern, write_concern_doc};
 
