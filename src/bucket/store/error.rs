@@ -81,7 +81,14 @@ impl StoreError {
     /// a time limit that expired: ours, or the server's `wtimeout`.
     pub fn timeout_operation(&self) -> Option<TimeoutOperation> {
         match self {
-            StoreError::TimedOut { operation, .. } if *operation == "find" => {
+            // What reads: the finds, and the start-up's questions about
+            // the server and the collection.
+            StoreError::TimedOut { operation, .. }
+                if matches!(
+                    *operation,
+                    "find" | "hello" | "listCollections" | "listIndexes"
+                ) =>
+            {
                 Some(TimeoutOperation::MongodbRead)
             }
             StoreError::TimedOut { .. } => Some(TimeoutOperation::MongodbWrite),

@@ -449,6 +449,18 @@ mod tests {
             "{}",
             e.readiness_reason()
         );
+        // The start-up's reads count as reads, its index builds as writes.
+        for (operation, label) in [
+            ("find", TimeoutOperation::MongodbRead),
+            ("listIndexes", TimeoutOperation::MongodbRead),
+            ("listCollections", TimeoutOperation::MongodbRead),
+            ("hello", TimeoutOperation::MongodbRead),
+            ("createIndexes", TimeoutOperation::MongodbWrite),
+            ("insert", TimeoutOperation::MongodbWrite),
+        ] {
+            let e = StoreError::TimedOut { operation, limit };
+            assert_eq!(e.timeout_operation(), Some(label), "{operation}");
+        }
         let quick = async { Ok::<_, StoreError>(7) };
         assert_eq!(bounded("find", limit, quick).await.unwrap(), 7);
         let wce = StoreError::WriteConcern {
