@@ -875,9 +875,9 @@ async fn read_heads(
 /// What a worker restarted on a collection of open buckets must do before
 /// its inserts, at the least: read each customer's newest bucket (one
 /// indexed `find` each, `concurrency` at a time, as the worker does for
-/// customers that have buckets, at its `mongodb.load_concurrency`) and complete each open one (one fill
-/// statement per customer, in the worker's `update` commands). Returns the
-/// seconds of each.
+/// customers that have buckets at its `mongodb.load_concurrency`) and
+/// complete each open one (one fill statement per customer, in the
+/// worker's `update` commands). Returns the seconds of each.
 async fn restart_work(
     store: &BucketStore,
     customers: &[CustomerId],

@@ -38,14 +38,16 @@ db_cpu = cpu(r["database_ceiling"], "database")
 cores = m["cores"]
 # Both servers at their ceilings' cost per event, sharing the machine's
 # cores, and nothing else: the most events/s this machine could carry.
-bound = cores * 1e6 / (kafka_cpu + db_cpu) if kafka_cpu and db_cpu else None
+def bound_of(database_cpu):
+    return cores * 1e6 / (kafka_cpu + database_cpu) if kafka_cpu and database_cpu else None
+bound = bound_of(db_cpu)
 # The second set's bound: the same broker cost (the Kafka ceiling reads the
 # first million), and the database's for the least a restarted worker must
 # do there (read each customer's newest bucket, complete the open ones,
 # insert the rest), per trade of the set.
 db2 = r.get("database_ceiling_second")
 db2_cpu = cpu(db2, "database") if db2 else None
-bound2 = cores * 1e6 / (kafka_cpu + db2_cpu) if kafka_cpu and db2_cpu else None
+bound2 = bound_of(db2_cpu)
 
 def rate(x): return f"{x:,.0f}"
 def verdict(ok): return "not shown by this run" if ok is None else ("**holds**" if ok else "**misses**")
