@@ -314,3 +314,31 @@ fn the_fetch_wait_is_bounded_by_the_request_limit() {
     .to_string();
     assert!(said.contains("timeouts.kafka_request"), "{said}");
 }
+
+/// Under the consumer group protocol the broker assigns and heartbeats:
+/// the classic protocol's client-side properties are refused at start-up,
+/// naming the reason; under the classic protocol they pass.
+#[test]
+fn classic_only_options_are_refused_under_the_consumer_protocol() {
+    for option in CLASSIC_ONLY_OPTIONS {
+        let var = format!(
+            "TRADEBUCKET__KAFKA__OPTIONS__{}",
+            option.replace('.', "_").to_uppercase()
+        );
+        let consumer = [
+            ("TRADEBUCKET__KAFKA__GROUP_PROTOCOL", "consumer"),
+            (&var, "x"),
+        ];
+        let said = Settings::load_from(None, env(&consumer))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            said.contains(option) && said.contains("classic group protocol"),
+            "{var}: {said}"
+        );
+        assert!(
+            Settings::load_from(None, env(&[(&var, "x")])).is_ok(),
+            "{var}"
+        );
+    }
+}

@@ -355,10 +355,23 @@ impl TestEnv {
             .expect("consumer")
     }
 
-    /// The group's committed offsets (next to read) per partition.
+    /// The group's committed offsets (next to read) per partition. A
+    /// coordinator that is moving or still loading its offsets after a
+    /// restart answers with an error for a while: asked again for up to
+    /// 60 s.
     pub fn committed(&self) -> BTreeMap<i32, i64> {
-        self.committed_via(&self.group_client())
-            .expect("committed offsets")
+        let client = self.group_client();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match self.committed_via(&client) {
+                Ok(committed) => return committed,
+                Err(e) if std::time::Instant::now() < deadline => {
+                    eprintln!("committed offsets: {e}; asking again");
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                Err(e) => panic!("committed offsets: {e}"),
+            }
+        }
     }
 
     /// The same through `consumer` (any client of this group), or the

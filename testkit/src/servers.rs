@@ -225,15 +225,14 @@ fn brokers_listed(brokers: &str, timeout: Duration) -> Option<usize> {
         .map(|m| m.brokers().len())
 }
 
-/// Waits until `brokers` lists `expected` brokers: each node has caught up
-/// with the controller's metadata and serves clients.
-async fn wait_for_brokers(brokers: &str, expected: usize, what: &str) {
-    let up = poll_until(Duration::from_secs(90), Duration::from_millis(250), || {
+/// Whether `brokers` lists `expected` brokers within 90 s: each node has
+/// caught up with the controller's metadata and serves clients.
+async fn brokers_up(brokers: &str, expected: usize) -> bool {
+    poll_until(Duration::from_secs(90), Duration::from_millis(250), || {
         let brokers = brokers.to_string();
         async move { brokers_listed(&brokers, Duration::from_secs(2)) == Some(expected) }
     })
-    .await;
-    assert!(up, "{what} did not come up with {expected} broker(s)");
+    .await
 }
 
 /// Private Apache Kafka: one node, or a cluster of several, each broker
@@ -296,8 +295,14 @@ impl PrivateKafka {
                 self.spawn(index);
             }
         }
-        let what = format!("private Kafka ({} node(s))", self.nodes.len());
-        wait_for_brokers(&self.brokers(), self.nodes.len(), &what).await;
+        if !brokers_up(&self.brokers(), self.nodes.len()).await {
+            let logs: Vec<Vec<String>> = self.nodes.iter().map(|n| n.log_tail(15)).collect();
+            panic!(
+                "private Kafka ({} node(s)) did not list every node within 90 s; \
+                 the nodes' last log lines: {logs:#?}",
+                self.nodes.len()
+            );
+        }
     }
 
     fn spawn(&mut self, index: usize) {

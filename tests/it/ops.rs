@@ -522,6 +522,9 @@ async fn a_partition_the_consumer_cannot_read_fails_readiness_with_its_name() {
     let vars = env.vars(&[
         ("TRADEBUCKET__HTTP__LISTEN", &listen),
         ("TRADEBUCKET__TIMEOUTS__PARTITION_STALL", "5s"),
+        // librdkafka wants fetch.max.bytes >= message.max.bytes and
+        // receive.message.max.bytes above fetch.max.bytes.
+        ("TRADEBUCKET__KAFKA__OPTIONS__MESSAGE_MAX_BYTES", "100000"),
         ("TRADEBUCKET__KAFKA__OPTIONS__FETCH_MAX_BYTES", "100000"),
         (
             "TRADEBUCKET__KAFKA__OPTIONS__RECEIVE_MESSAGE_MAX_BYTES",

@@ -764,7 +764,7 @@ async fn every_compression_codec_is_consumed() {
     let metrics = worker.stop().await;
     assert_eq!(metrics.events_written.get(), 20 * codecs.len() as u64);
     let report = audit_clean(&env, 10).await;
-    assert_eq!(report.trades, 60);
+    assert_eq!(report.trades, 20 * codecs.len() as u64);
     env.cleanup().await;
 }
 
@@ -881,9 +881,9 @@ async fn a_statement_failed_with_a_transient_code_is_retried_not_dead_lettered()
 
 /// The worker's documented memory base (docs/operations.md, "Sizing"):
 /// its peak RSS storing this test's 20,000 trades without header bytes
-/// (72 to 75 MiB measured, test build), rounded up to 75, plus the 16 MiB
-/// prefetch queue.
-const BASE_MIB: u64 = 75 + 16;
+/// (93.0 to 93.4 MiB measured on Apache Kafka 4.4, test build), rounded up
+/// to 95, plus the 16 MiB prefetch queue.
+const BASE_MIB: u64 = 95 + 16;
 /// Issue #14's figures: 20,000 records with 8 KiB of headers each, 160 MiB
 /// of headers in all, ten times the batch bound.
 const HEADED_RECORDS: usize = 20_000;
