@@ -312,3 +312,115 @@ async fn from_and_uncommitted_partitions_bound_what_is_checked() {
     assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
     env.cleanup().await;
 }
+
+/// Issue #46, as an operator met it: trades without `tradeId`, unkeyed,
+/// on four partitions; the worker, rate-limited, stopped part-way; then,
+/// as the runbook says, `reconcile --to-end --replay-missing` replays every
+/// record not yet handled, and the worker runs to the end. Before, every
+/// replayed trade was stored twice (`o:<position>` and `r:<position>`).
+/// Each trade is counted by an id of the test's own (`ref`), not the
+/// product's key. Then a double planted by hand, under the key an earlier
+/// version stored a replay under, whose replay's partition is read before
+/// its original's: reconcile reports it.
+#[tokio::test]
+async fn replaying_what_a_stopped_worker_left_stores_every_trade_once() {
+    const TRADES: usize = 1_200;
+    let env = TestEnv::new("reconcile-replay-lag", 4).await;
+    let sent: Vec<Produced> = (0..TRADES)
+        .map(|i| {
+            let mut json = trade("").no_id().customer(i as i64 % 40).json();
+            json["ref"] = Value::from(i as i64);
+            Produced {
+                payload: Some(json.to_string().into_bytes()),
+                ..Produced::default()
+            }
+        })
+        .collect();
+    let positions = env.produce(&sent).await;
+    let used: BTreeSet<i32> = positions.iter().map(|(p, _)| *p).collect();
+    assert!(used.len() > 1, "unkeyed records spread: {used:?}");
+    let vars = [
+        ("TRADEBUCKET__BUCKETS__CAPACITY", "10"),
+        ("TRADEBUCKET__RATE_LIMIT__EVENTS_PER_SECOND", "100"),
+    ];
+    let lagging = WorkerProcess::start(bin(), env.vars(&vars), Log::Quiet);
+    let part_way = poll_until(Duration::from_secs(60), Duration::from_millis(100), || async {
+        env.committed().values().sum::<i64>() >= 150
+    })
+    .await;
+    assert!(part_way, "the worker committed nothing");
+    assert_eq!(lagging.sigterm(Duration::from_secs(30)), Some(0));
+    let left: i64 = (TRADES as i64) - env.committed().values().sum::<i64>();
+    assert!(left > 0, "the worker was stopped too late");
+
+    let (code, replay) = reconcile(&env, &vars[..1], &["--to-end", "--replay-missing"]);
+    assert_eq!(code, Some(1), "{replay}");
+    assert!(replay["replayed"].as_u64().unwrap() > 0, "{replay}");
+    let worker = WorkerProcess::start(bin(), env.vars(&vars[..1]), Log::Quiet);
+    env.wait_committed_to_end(Duration::from_secs(120)).await;
+    assert_eq!(stored_refs(&env).await, (0..TRADES as i64).collect::<Vec<_>>());
+    let (code, clean) = reconcile(&env, &vars[..1], &[]);
+    assert_eq!(code, Some(0), "{clean}");
+    assert_eq!(total(&clean, "stored"), TRADES as u64, "{clean}");
+
+    let (key, replay_at) = plant_a_legacy_double(&env).await;
+    let (code, found) = reconcile(&env, &vars[..1], &[]);
+    assert_eq!(code, Some(1), "{found}");
+    let expected = BTreeSet::from([("stored_twice".to_string(), replay_at.0, replay_at.1)]);
+    assert_eq!(problems(&found), expected, "{key}: {found}");
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
+
+/// Every `ref` stored, sorted (a trade stored twice is there twice).
+async fn stored_refs(env: &TestEnv) -> Vec<i64> {
+    let mut refs: Vec<i64> = env
+        .buckets()
+        .await
+        .iter()
+        .flat_map(|b| b.get_array("history").unwrap().clone())
+        .map(|h| h.as_document().unwrap().get_i64("ref").unwrap())
+        .collect();
+    refs.sort_unstable();
+    refs
+}
+
+/// A record replayed on a partition before its original's: stores, in a
+/// bucket of its own, its trade again under the replay key of versions
+/// before issue #46 (`r:`). Returns the key and the replay's position.
+async fn plant_a_legacy_double(env: &TestEnv) -> (String, (i64, i64)) {
+    let consumer = env.group_client();
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for p in 0..4 {
+        tpl.add_partition_offset(&env.topic, p, rdkafka::Offset::Beginning)
+            .unwrap();
+    }
+    rdkafka::consumer::Consumer::assign(&consumer, &tpl).unwrap();
+    let origin = loop {
+        let m = consumer.poll(Duration::from_secs(10)).expect("a record").unwrap();
+        let Some(of) = header(&m.detach(), "tradebucket.replay.of") else {
+            continue;
+        };
+        let original: i32 = of.split('/').nth(1).unwrap().parse().unwrap();
+        if original > m.partition() {
+            break (of, (i64::from(m.partition()), m.offset()));
+        }
+    };
+    let customer = {
+        let key = format!("o:{}", origin.0);
+        let b = env.buckets().await;
+        let holder = b.iter().find(|b| {
+            let h = b.get_array("history").unwrap();
+            h.iter().any(|e| e.as_document().unwrap().get_str("key") == Ok(key.as_str()))
+        });
+        holder.unwrap().get_i64("customerId").unwrap()
+    };
+    let prefix = format!("{customer}_");
+    let legacy = format!("r:{}", origin.0);
+    let bucket = doc! {
+        "_id": format!("{prefix}0000000001"), "customerId": customer, "count": 1,
+        "history": [{"key": &legacy}], "prev": "planted", "wm": {},
+    };
+    env.store().await.collection().insert_one(bucket).await.unwrap();
+    (legacy, origin.1)
+}
