@@ -166,7 +166,13 @@ fn spans_run_from_the_asked_or_retained_start_to_the_committed_offset() {
 #[test]
 fn a_double_is_reported_whichever_record_is_read_first() {
     let both = s(&["7_100", "7_200"]);
-    let (original, replay) = (at(5), Source { partition: 1, ..at(9) });
+    let (original, replay) = (
+        at(5),
+        Source {
+            partition: 1,
+            ..at(9)
+        },
+    );
     for order in [[&original, &replay], [&replay, &original]] {
         let mut l = Ledger::new([]);
         let keys = keys_of("o:trades/0/5");
@@ -209,10 +215,17 @@ fn sharded_doubles_and_duplicates_are_per_customer() {
     for sharded in [false, true] {
         let mut l = Ledger::new([]).sharded(sharded);
         let seven = s(&["7_100"]);
-        assert_eq!(l.trade(&seen(&at(0), &c7(), &keys, &seven)), Verdict::Stored);
+        assert_eq!(
+            l.trade(&seen(&at(0), &c7(), &keys, &seven)),
+            Verdict::Stored
+        );
         let eights = s(&["8_100", "8_200"]);
         let verdict = l.trade(&seen(&at(1), &c8, &keys, &eights));
-        assert_eq!(verdict, Verdict::Problem(ProblemKind::StoredTwice), "sharded {sharded}");
+        assert_eq!(
+            verdict,
+            Verdict::Problem(ProblemKind::StoredTwice),
+            "sharded {sharded}"
+        );
         let eight = s(&["8_100"]);
         let verdict = l.trade(&seen(&at(2), &c8, &keys, &eight));
         assert_eq!(verdict, Verdict::UpstreamDuplicate, "sharded {sharded}");

@@ -13,6 +13,7 @@ use std::time::Duration;
 use mongodb::bson::{doc, Document};
 use mongodb::event::command::CommandEvent;
 use mongodb::event::EventHandler;
+use rdkafka::Message;
 use serde_json::Value;
 use testkit::*;
 use tradebucket::bucket::store::BucketStore;
@@ -194,12 +195,35 @@ async fn remove_by_hand(env: &TestEnv) -> BTreeSet<String> {
     let by_id = four.iter().find(|k| k.starts_with("t:")).unwrap();
     let by_position = four.iter().find(|k| k.starts_with("o:")).unwrap();
     for key in [by_id, by_position] {
-        coll.update_many(doc! {}, doc! {"$pull": {"history": {"key": key}}})
-            .await
-            .unwrap();
+        take_out(&coll, key).await;
         removed.insert(key.clone());
     }
     removed
+}
+
+/// Takes the trade `key` out of the bucket holding it, as an operator's
+/// `$pull` would (its `count` left as it was). Done as delete and re-insert:
+/// the local stand-in for MongoDB leaves a `$pull`ed value in the unique
+/// multikey index (STACK.md; mongod removes it), and the replay of a
+/// trade without `tradeId`, stored under its original key since issue #46,
+/// would then meet a duplicate key no bucket holds.
+async fn take_out(coll: &mongodb::Collection<Document>, key: &str) {
+    let mut bucket = coll
+        .find_one(doc! {"history.key": key})
+        .await
+        .unwrap()
+        .expect("a bucket holds the key");
+    let history: Vec<mongodb::bson::Bson> = bucket
+        .get_array("history")
+        .unwrap()
+        .iter()
+        .filter(|h| h.as_document().unwrap().get_str("key") != Ok(key))
+        .cloned()
+        .collect();
+    bucket.insert("history", history);
+    let id = bucket.get_str("_id").unwrap().to_string();
+    coll.delete_one(doc! {"_id": &id}).await.unwrap();
+    coll.insert_one(bucket).await.unwrap();
 }
 
 /// Pointed at a dead-letter topic without the bad records' dead letters,
@@ -344,9 +368,11 @@ async fn replaying_what_a_stopped_worker_left_stores_every_trade_once() {
         ("TRADEBUCKET__RATE_LIMIT__EVENTS_PER_SECOND", "100"),
     ];
     let lagging = WorkerProcess::start(bin(), env.vars(&vars), Log::Quiet);
-    let part_way = poll_until(Duration::from_secs(60), Duration::from_millis(100), || async {
-        env.committed().values().sum::<i64>() >= 150
-    })
+    let part_way = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || async { env.committed().values().sum::<i64>() >= 150 },
+    )
     .await;
     assert!(part_way, "the worker committed nothing");
     assert_eq!(lagging.sigterm(Duration::from_secs(30)), Some(0));
@@ -358,7 +384,10 @@ async fn replaying_what_a_stopped_worker_left_stores_every_trade_once() {
     assert!(replay["replayed"].as_u64().unwrap() > 0, "{replay}");
     let worker = WorkerProcess::start(bin(), env.vars(&vars[..1]), Log::Quiet);
     env.wait_committed_to_end(Duration::from_secs(120)).await;
-    assert_eq!(stored_refs(&env).await, (0..TRADES as i64).collect::<Vec<_>>());
+    assert_eq!(
+        stored_refs(&env).await,
+        (0..TRADES as i64).collect::<Vec<_>>()
+    );
     let (code, clean) = reconcile(&env, &vars[..1], &[]);
     assert_eq!(code, Some(0), "{clean}");
     assert_eq!(total(&clean, "stored"), TRADES as u64, "{clean}");
@@ -397,8 +426,12 @@ async fn plant_a_legacy_double(env: &TestEnv) -> (String, (i64, i64)) {
     }
     rdkafka::consumer::Consumer::assign(&consumer, &tpl).unwrap();
     let origin = loop {
-        let m = consumer.poll(Duration::from_secs(10)).expect("a record").unwrap();
-        let Some(of) = header(&m.detach(), "tradebucket.replay.of") else {
+        let m = consumer
+            .poll(Duration::from_secs(10))
+            .expect("a record")
+            .unwrap()
+            .detach();
+        let Some(of) = header(&m, "tradebucket.replay.of") else {
             continue;
         };
         let original: i32 = of.split('/').nth(1).unwrap().parse().unwrap();
@@ -411,7 +444,8 @@ async fn plant_a_legacy_double(env: &TestEnv) -> (String, (i64, i64)) {
         let b = env.buckets().await;
         let holder = b.iter().find(|b| {
             let h = b.get_array("history").unwrap();
-            h.iter().any(|e| e.as_document().unwrap().get_str("key") == Ok(key.as_str()))
+            h.iter()
+                .any(|e| e.as_document().unwrap().get_str("key") == Ok(key.as_str()))
         });
         holder.unwrap().get_i64("customerId").unwrap()
     };
@@ -421,6 +455,11 @@ async fn plant_a_legacy_double(env: &TestEnv) -> (String, (i64, i64)) {
         "_id": format!("{prefix}0000000001"), "customerId": customer, "count": 1,
         "history": [{"key": &legacy}], "prev": "planted", "wm": {},
     };
-    env.store().await.collection().insert_one(bucket).await.unwrap();
+    env.store()
+        .await
+        .collection()
+        .insert_one(bucket)
+        .await
+        .unwrap();
     (legacy, origin.1)
 }

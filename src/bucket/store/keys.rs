@@ -121,9 +121,9 @@ fn budget_chunks<T>(items: Vec<T>, cost: impl Fn(&T) -> usize, max_items: usize)
     let mut bytes = 0;
     for item in items {
         let size = cost(&item);
-        let full = chunks
-            .last()
-            .is_none_or(|c| !c.is_empty() && (bytes + size > FILTER_BUDGET || c.len() >= max_items));
+        let full = chunks.last().is_none_or(|c| {
+            !c.is_empty() && (bytes + size > FILTER_BUDGET || c.len() >= max_items)
+        });
         if full {
             chunks.push(Vec::new());
             bytes = 0;
@@ -162,7 +162,10 @@ mod tests {
             let mut asked = 0;
             for f in &filters {
                 let bytes = mongodb::bson::to_vec(f).unwrap().len();
-                assert!(bytes < MAX_BSON, "sharded {sharded}: a filter of {bytes} bytes");
+                assert!(
+                    bytes < MAX_BSON,
+                    "sharded {sharded}: a filter of {bytes} bytes"
+                );
                 let branches = match f.get_array("$or") {
                     Ok(b) => b.iter().map(|b| b.as_document().unwrap().clone()).collect(),
                     Err(_) => vec![f.clone()],

@@ -44,7 +44,10 @@ fn identity_key(identity: Identity<'_>) -> (String, Option<String>) {
         Identity::ReplayOf(s) => (true, s),
     };
     let position = format!("{}/{}/{}", s.topic, s.partition, s.offset);
-    (format!("o:{position}"), replay.then(|| format!("r:{position}")))
+    (
+        format!("o:{position}"),
+        replay.then(|| format!("r:{position}")),
+    )
 }
 
 /// `event::field_err`.
