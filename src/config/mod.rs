@@ -36,16 +36,26 @@ pub enum ConfigError {
 
 /// librdkafka properties tradebucket sets from a setting of its own, which
 /// `kafka.options` may therefore not set.
-const OWNED_OPTIONS: [(&str, &str); 9] = [
+const OWNED_OPTIONS: [(&str, &str); 10] = [
     ("bootstrap.servers", "kafka.brokers"),
     ("group.id", "kafka.group_id"),
     ("client.id", "kafka.client_id"),
     ("auto.offset.reset", "kafka.auto_offset_reset"),
     ("session.timeout.ms", "kafka.session_timeout"),
+    ("group.protocol", "kafka.group_protocol"),
     ("max.poll.interval.ms", "kafka.max_poll_interval"),
     ("fetch.wait.max.ms", "kafka.fetch_wait_max"),
     ("socket.timeout.ms", "timeouts.kafka_request"),
     ("message.timeout.ms", "timeouts.dead_letter_delivery"),
+];
+
+/// librdkafka properties of the classic group protocol only (the client
+/// assigns and heartbeats); the `consumer` protocol leaves them to the
+/// broker's `group.consumer.*` settings.
+const CLASSIC_ONLY_OPTIONS: [&str; 3] = [
+    "heartbeat.interval.ms",
+    "partition.assignment.strategy",
+    "group.protocol.type",
 ];
 
 fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
@@ -102,7 +112,15 @@ pub struct KafkaSettings {
     pub client_id: String,
     /// Where a group without a committed offset starts.
     pub auto_offset_reset: OffsetReset,
-    /// librdkafka `session.timeout.ms`: a member silent this long is removed.
+    /// The consumer group protocol: `classic` (JoinGroup/SyncGroup, the
+    /// client's `session_timeout`) or `consumer` (KIP-848: the broker
+    /// assigns partitions incrementally and owns the session timeout).
+    #[serde(default)]
+    pub group_protocol: GroupProtocol,
+    /// librdkafka `session.timeout.ms`: a member silent this long is
+    /// removed. Under the `consumer` protocol the broker's
+    /// `group.consumer.session.timeout.ms` removes it instead; this still
+    /// bounds how long the worker waits for its group to settle.
     #[serde(with = "humantime_serde")]
     pub session_timeout: Duration,
     /// librdkafka `max.poll.interval.ms`: the longest a batch may hold the
@@ -127,6 +145,26 @@ pub struct KafkaSettings {
     /// (see `secret::PUBLIC_KAFKA_OPTIONS`).
     #[serde(default, serialize_with = "secret::serialize_kafka_options")]
     pub options: BTreeMap<String, SecretString>,
+}
+
+/// librdkafka's `group.protocol` (see docs/operations.md, "The group
+/// protocol").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GroupProtocol {
+    #[default]
+    Classic,
+    Consumer,
+}
+
+impl GroupProtocol {
+    /// The librdkafka value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GroupProtocol::Classic => "classic",
+            GroupProtocol::Consumer => "consumer",
+        }
+    }
 }
 
 /// librdkafka's `auto.offset.reset` choices that make sense here.
@@ -474,6 +512,7 @@ impl Settings {
             return Err(invalid("kafka.max_message_bytes", "must be positive"));
         }
         self.validate_fetch_wait()?;
+        self.validate_group_protocol()?;
         // Each of these has one place, a setting of ours that other rules
         // and the docs rely on: an option would silently replace it.
         if let Some((option, setting)) = OWNED_OPTIONS
@@ -497,6 +536,29 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+
+    /// Under the `consumer` protocol the broker assigns partitions and
+    /// times sessions: librdkafka refuses the classic protocol's client-side
+    /// properties, so they are refused here, at start-up, with the reason.
+    fn validate_group_protocol(&self) -> Result<(), ConfigError> {
+        let k = &self.kafka;
+        if k.group_protocol == GroupProtocol::Classic {
+            return Ok(());
+        }
+        match CLASSIC_ONLY_OPTIONS
+            .iter()
+            .find(|option| k.options.contains_key(**option))
+        {
+            Some(option) => Err(invalid(
+                "kafka.options",
+                format!(
+                    "\"{option}\" belongs to the classic group protocol; under \
+                     kafka.group_protocol = \"consumer\" the broker decides it"
+                ),
+            )),
+            None => Ok(()),
+        }
     }
 
     fn validate_mongodb(&self) -> Result<(), ConfigError> {

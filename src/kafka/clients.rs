@@ -19,7 +19,7 @@ use rdkafka::TopicPartitionList;
 
 use secrecy::ExposeSecret;
 
-use crate::config::Settings;
+use crate::config::{GroupProtocol, KafkaSettings, Settings};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::offsets::TopicPartition;
@@ -97,13 +97,14 @@ fn consumer_config(settings: &Settings) -> ClientConfig {
             "auto.offset.reset",
             k.auto_offset_reset.as_str().to_string(),
         ),
-        ("session.timeout.ms", millis(k.session_timeout)),
+        ("group.protocol", k.group_protocol.as_str().to_string()),
         ("max.poll.interval.ms", millis(k.max_poll_interval)),
         // Lag per partition comes from librdkafka's statistics.
         ("statistics.interval.ms", "5000".to_string()),
         ("fetch.wait.max.ms", millis(k.fetch_wait_max)),
     ]
     .into_iter()
+    .chain(session(k))
     .chain(prefetch())
     .collect();
     client_config(
@@ -116,6 +117,14 @@ fn consumer_config(settings: &Settings) -> ClientConfig {
             ("enable.partition.eof", "false".to_string()),
         ],
     )
+}
+
+/// The classic protocol's session timeout is the client's to set; under
+/// the `consumer` protocol (KIP-848) the broker's
+/// `group.consumer.session.timeout.ms` rules and librdkafka refuses it.
+fn session(k: &KafkaSettings) -> Option<(&'static str, String)> {
+    (k.group_protocol == GroupProtocol::Classic)
+        .then(|| ("session.timeout.ms", millis(k.session_timeout)))
 }
 
 fn producer_config(settings: &Settings) -> ClientConfig {

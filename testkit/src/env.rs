@@ -63,13 +63,22 @@ pub fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
         .expect("admin client")
 }
 
-/// Creates `name`. The local broker serves its storage one request at a
-/// time, so on a loaded machine an admin request can time out while the
-/// broker is busy (seen once with two suites and a build running together):
-/// it is tried three times, and a topic that an earlier, timed-out attempt
-/// did create counts as created.
+/// Creates `name`, one replica a partition.
 pub async fn create_topic(brokers: &str, name: &str, partitions: i32) {
-    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    create_replicated_topic(brokers, name, partitions, 1).await;
+}
+
+/// Creates `name` with `replicas` replicas a partition, and, with more
+/// than one, `min.insync.replicas=2`: a write is acknowledged once two
+/// replicas have it, so one broker can die without losing it. On a loaded
+/// machine an admin request can time out while the broker is busy: it is
+/// tried three times, and a topic that an earlier, timed-out attempt did
+/// create counts as created.
+pub async fn create_replicated_topic(brokers: &str, name: &str, partitions: i32, replicas: i32) {
+    let mut topic = NewTopic::new(name, partitions, TopicReplication::Fixed(replicas));
+    if replicas > 1 {
+        topic = topic.set("min.insync.replicas", "2");
+    }
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
     for attempt in 1..=3 {
         let results = match admin(brokers).create_topics([&topic], &options).await {
@@ -223,6 +232,18 @@ impl TestEnv {
 
     /// The same, on the given servers (private ones, for fault tests).
     pub async fn on(kafka: String, mongo_uri: String, name: &str, partitions: i32) -> TestEnv {
+        TestEnv::on_replicated(kafka, mongo_uri, name, partitions, 1).await
+    }
+
+    /// The same on a cluster: both topics with `replicas` replicas a
+    /// partition (and `min.insync.replicas=2` with more than one).
+    pub async fn on_replicated(
+        kafka: String,
+        mongo_uri: String,
+        name: &str,
+        partitions: i32,
+        replicas: i32,
+    ) -> TestEnv {
         let base = unique(name);
         let env = TestEnv {
             kafka,
@@ -233,8 +254,8 @@ impl TestEnv {
             group: format!("{base}-group"),
             partitions,
         };
-        create_topic(&env.kafka, &env.topic, partitions).await;
-        create_topic(&env.kafka, &env.dlq, 1).await;
+        create_replicated_topic(&env.kafka, &env.topic, partitions, replicas).await;
+        create_replicated_topic(&env.kafka, &env.dlq, 1, replicas).await;
         env
     }
 
@@ -497,8 +518,7 @@ impl TestEnv {
 
     /// Drops the database and deletes the topics.
     ///
-    /// Bounded: a stand-in that stopped answering (Tansu 0.6.0's storage
-    /// task can die on a panic, docs/testing.md) must fail the suite's
+    /// Bounded: a server that stopped answering must fail the suite's
     /// later tests, not hang it in a cleanup nobody checks.
     pub async fn cleanup(self) {
         let bound = Duration::from_secs(30);

@@ -15,10 +15,8 @@
 //!   errors the local server never sends);
 //! - [`netfault`]: a TCP proxy that black-holes, delays, resets, and
 //!   drops MongoDB write replies after the server applied them;
-//! - [`raw`]: record batches written byte by byte (offset gaps,
-//!   transaction markers);
-//! - [`servers`]: private MongoDB-protocol, Kafka-protocol and Prometheus
-//!   servers, free ports, HTTP probes.
+//! - [`servers`]: private MongoDB-protocol servers, Apache Kafka nodes
+//!   and clusters, and Prometheus; free ports, HTTP probes.
 //!
 //! The binary's path is always a parameter: `CARGO_BIN_EXE_tradebucket`
 //! exists only in the root package's tests and benches, not here.
@@ -29,14 +27,13 @@ pub mod netfault;
 pub mod poll;
 pub mod process;
 pub mod proxy;
-pub mod raw;
 pub mod servers;
 pub mod settings;
 pub mod worker;
 
 pub use env::{
-    admin, audit_clean, create_topic, header, headers_of, kafka_brokers, mongodb_uri, produce_fast,
-    produce_fast_with, unique, Produced, TestEnv,
+    admin, audit_clean, create_replicated_topic, create_topic, header, headers_of, kafka_brokers,
+    mongodb_uri, produce_fast, produce_fast_with, unique, Produced, TestEnv,
 };
 pub use event::{decoded, trade, TradeEvent};
 pub use netfault::{FaultProxy, Protocol};

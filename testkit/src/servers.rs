@@ -1,7 +1,8 @@
 //! Servers of a test's own, for tests that stop, kill or restart them
 //! without disturbing the shared stack: a MongoDB-protocol server
-//! (secantusd-rs) and a Kafka-protocol broker (Tansu) from the stack's
-//! tools folder, and Prometheus; plus free ports and HTTP probes.
+//! (secantusd-rs) and Apache Kafka (one node, or a cluster of several)
+//! from the stack's tools folder, and Prometheus; plus free ports and HTTP
+//! probes.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -136,22 +137,119 @@ impl Drop for PrivateMongo {
     }
 }
 
-/// A private Kafka-protocol broker (sqlite storage), restartable on the
-/// same port and data.
-pub struct PrivateKafka {
-    pub port: u16,
+/// One Apache Kafka node (broker and controller in one JVM) run by
+/// `scripts/stack kafka-node`, restartable on the same ports and data.
+struct KafkaNode {
+    id: u32,
+    port: u16,
+    controller_port: u16,
     dir: PathBuf,
     child: Option<Child>,
+}
+
+impl KafkaNode {
+    fn new(id: u32) -> KafkaNode {
+        KafkaNode {
+            id,
+            port: free_port(),
+            controller_port: free_port(),
+            dir: data_dir("kafka"),
+            child: None,
+        }
+    }
+
+    fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn voter(&self) -> String {
+        format!("{}@127.0.0.1:{}", self.id, self.controller_port)
+    }
+
+    /// Starts the JVM (the script execs it, so the child is the broker
+    /// itself and `kill` is a kill -9 of the broker). Its output goes to
+    /// its own log, appended across restarts: what a failed scenario shows
+    /// of the broker ([`PrivateKafka::log_tail`]).
+    fn spawn(&mut self, voters: &str, advertised: &str, replication: usize) {
+        assert!(self.child.is_none(), "already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("kafka.log"))
+            .expect("broker log file");
+        let child = Command::new(stack_script())
+            .arg("kafka-node")
+            .arg(&self.dir)
+            .arg(self.id.to_string())
+            .arg(self.port.to_string())
+            .arg(self.controller_port.to_string())
+            .args([voters, advertised, &replication.to_string()])
+            .stdout(log.try_clone().expect("log handle"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start a Kafka node: {e} (scripts/stack install)"));
+        self.child = Some(child);
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn log_tail(&self, lines: usize) -> Vec<String> {
+        let text = std::fs::read_to_string(self.dir.join("kafka.log")).unwrap_or_default();
+        let all: Vec<String> = text.lines().map(str::to_string).collect();
+        all[all.len().saturating_sub(lines)..].to_vec()
+    }
+}
+
+impl Drop for KafkaNode {
+    fn drop(&mut self) {
+        self.kill9();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Metadata from `brokers`: how many brokers it lists, or `None` when
+/// nothing answers within `timeout`.
+fn brokers_listed(brokers: &str, timeout: Duration) -> Option<usize> {
+    let probe: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("client");
+    probe
+        .fetch_metadata(None, timeout)
+        .ok()
+        .map(|m| m.brokers().len())
+}
+
+/// Waits until `brokers` lists `expected` brokers: each node has caught up
+/// with the controller's metadata and serves clients.
+async fn wait_for_brokers(brokers: &str, expected: usize, what: &str) {
+    let up = poll_until(Duration::from_secs(90), Duration::from_millis(250), || {
+        let brokers = brokers.to_string();
+        async move { brokers_listed(&brokers, Duration::from_secs(2)) == Some(expected) }
+    })
+    .await;
+    assert!(up, "{what} did not come up with {expected} broker(s)");
+}
+
+/// Private Apache Kafka: one node, or a cluster of several, each broker
+/// and controller (a static quorum of all of them, so that any one of
+/// three can die and the rest keep a quorum and every partition's
+/// in-sync replicas); restartable on the same ports and data.
+pub struct PrivateKafka {
+    /// The first node's port.
+    pub port: u16,
+    nodes: Vec<KafkaNode>,
     /// The address clients are told to use (metadata), when it is not
-    /// the broker's own: a fault proxy in front of it.
+    /// the broker's own: a fault proxy in front of a single node.
     advertised: Option<String>,
 }
 
 impl PrivateKafka {
-    fn binary() -> PathBuf {
-        tools_dir().join("tansu-0.6.0/bin/tansu")
-    }
-
     pub async fn start() -> PrivateKafka {
         Self::start_advertising(free_port(), None).await
     }
@@ -160,100 +258,96 @@ impl PrivateKafka {
     /// metadata, so every client, once bootstrapped, connects there: how a
     /// [`crate::FaultProxy`] gets between the broker and its clients.
     pub async fn start_advertising(port: u16, advertised: Option<String>) -> PrivateKafka {
+        let mut node = KafkaNode::new(1);
+        node.port = port;
         let mut k = PrivateKafka {
             port,
-            dir: data_dir("kafka"),
-            child: None,
+            nodes: vec![node],
             advertised,
         };
         k.restart().await;
         k
     }
 
+    /// A cluster of `size` nodes (ids 1 to `size`); Kafka's internal
+    /// topics get `size` replicas.
+    pub async fn cluster(size: usize) -> PrivateKafka {
+        let nodes: Vec<KafkaNode> = (1..=size as u32).map(KafkaNode::new).collect();
+        let mut k = PrivateKafka {
+            port: nodes[0].port,
+            nodes,
+            advertised: None,
+        };
+        k.restart().await;
+        k
+    }
+
+    /// Every node's address: clients bootstrap from any that answers.
     pub fn brokers(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        let all: Vec<String> = self.nodes.iter().map(KafkaNode::address).collect();
+        all.join(",")
     }
 
-    /// Starts the broker on the same port and data; waits until it answers.
+    /// Starts every node that is down, on its ports and data; waits until
+    /// the cluster lists every node.
     pub async fn restart(&mut self) {
-        assert!(self.child.is_none(), "already running");
-        let url = format!("tcp://127.0.0.1:{}", self.port);
-        let advertised = self
-            .advertised
-            .as_ref()
-            .map_or_else(|| url.clone(), |a| format!("tcp://{a}"));
-        // The sqlite path is relative to the working directory (STACK.md).
-        // Its own log, appended across restarts: what a failed scenario
-        // shows of the broker (`PrivateKafka::log_tail`).
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("tansu.log"))
-            .expect("broker log file");
-        let child = Command::new(Self::binary())
-            .current_dir(&self.dir)
-            .env("RUST_LOG", "warn")
-            .args(["broker", "--listener-url", &url])
-            .args(["--advertised-listener-url", &advertised])
-            .args(["--storage-engine", "sqlite://tansu.db"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {:?}: {e}", Self::binary()));
-        self.child = Some(child);
-        let brokers = self.brokers();
-        let up = poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
-            let probe: BaseConsumer = ClientConfig::new()
-                .set("bootstrap.servers", &brokers)
-                .create()
-                .expect("client");
-            async move { probe.fetch_metadata(None, Duration::from_secs(2)).is_ok() }
-        })
-        .await;
-        assert!(up, "private Kafka did not come up");
-        // The index Tansu's per-record header lookup lacks; without it a
-        // topic with headers (every dead letter has them) makes each fetch
-        // scan all headers per record and the broker stalls for minutes
-        // (scripts/stack explains).
-        let db = self.dir.join("tansu.db");
-        let status = Command::new(stack_script())
-            .arg("index-kafka")
-            .arg(&db)
-            .status()
-            .expect("run scripts/stack index-kafka");
-        assert!(status.success(), "index-kafka {db:?}: {status}");
+        for index in 0..self.nodes.len() {
+            if self.nodes[index].child.is_none() {
+                self.spawn(index);
+            }
+        }
+        let what = format!("private Kafka ({} node(s))", self.nodes.len());
+        wait_for_brokers(&self.brokers(), self.nodes.len(), &what).await;
     }
 
-    /// Whether the broker answers a metadata request on its own port,
+    fn spawn(&mut self, index: usize) {
+        let voters: Vec<String> = self.nodes.iter().map(KafkaNode::voter).collect();
+        let replication = self.nodes.len();
+        let node = &mut self.nodes[index];
+        let advertised = self.advertised.clone().unwrap_or_else(|| node.address());
+        node.spawn(&voters.join(","), &advertised, replication);
+    }
+
+    /// Whether the first node answers a metadata request on its own port,
     /// not through any proxy, within `timeout`.
     pub fn answers_directly(&self, timeout: Duration) -> bool {
+        brokers_listed(&self.nodes[0].address(), timeout).is_some()
+    }
+
+    /// The last `lines` lines of the first node's log (its warnings and
+    /// errors).
+    pub fn log_tail(&self, lines: usize) -> Vec<String> {
+        self.nodes[0].log_tail(lines)
+    }
+
+    /// kill -9 every node, and wait until the processes are gone (the
+    /// ports are free).
+    pub fn kill9(&mut self) {
+        self.nodes.iter_mut().for_each(KafkaNode::kill9);
+    }
+
+    /// kill -9 node `id` (1-based) only.
+    pub fn kill9_node(&mut self, id: u32) {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.id == id)
+            .expect("node id")
+            .kill9();
+    }
+
+    /// The node id that leads `topic`'s `partition` now, as the cluster's
+    /// metadata says.
+    pub fn leader_of(&self, topic: &str, partition: i32) -> Option<u32> {
         let probe: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", self.brokers())
             .create()
             .expect("client");
-        probe.fetch_metadata(None, timeout).is_ok()
-    }
-
-    /// The last `lines` lines of the broker's log (its warnings and errors).
-    pub fn log_tail(&self, lines: usize) -> Vec<String> {
-        let text = std::fs::read_to_string(self.dir.join("tansu.log")).unwrap_or_default();
-        let all: Vec<String> = text.lines().map(str::to_string).collect();
-        all[all.len().saturating_sub(lines)..].to_vec()
-    }
-
-    /// kill -9, and wait until the process is gone (the port is free).
-    pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for PrivateKafka {
-    fn drop(&mut self) {
-        self.kill9();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let metadata = probe
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .ok()?;
+        let t = metadata.topics().first()?;
+        let p = t.partitions().iter().find(|p| p.id() == partition)?;
+        u32::try_from(p.leader()).ok()
     }
 }
 

@@ -73,8 +73,8 @@ pub fn report_dir() -> PathBuf {
 
 // ---------------------------------------------------------------- servers
 
-/// A Kafka-protocol broker and a MongoDB-protocol server of the scenario's
-/// own, so killing or stopping them never touches anything else, plus the
+/// Apache Kafka (one node or a cluster) and a MongoDB-protocol server of
+/// the scenario's own, so killing or stopping them never touches anything else, plus the
 /// topic, dead-letter topic, group and database on them.
 pub struct Stack {
     pub kafka: PrivateKafka,
@@ -130,8 +130,22 @@ impl Stack {
         (stack, proxies)
     }
 
+    /// A stack on a cluster of `nodes` Kafka nodes, its topics replicated
+    /// to every node with `min.insync.replicas=2`.
+    pub async fn start_cluster(name: &str, partitions: i32, nodes: usize) -> Stack {
+        let kafka = PrivateKafka::cluster(nodes).await;
+        let mongo = PrivateMongo::start().await;
+        let (brokers, uri) = (kafka.brokers(), mongo.uri());
+        let env = TestEnv::on_replicated(brokers, uri, name, partitions, nodes as i32).await;
+        Self::with(kafka, mongo, env)
+    }
+
     async fn on(kafka: PrivateKafka, mongo: PrivateMongo, name: &str, partitions: i32) -> Stack {
         let env = TestEnv::on(kafka.brokers(), mongo.uri(), name, partitions).await;
+        Self::with(kafka, mongo, env)
+    }
+
+    fn with(kafka: PrivateKafka, mongo: PrivateMongo, env: TestEnv) -> Stack {
         let group = env.group_client();
         Stack {
             kafka,
@@ -172,12 +186,6 @@ impl Stack {
             // Smaller than the default so a run has many commits, hence
             // many distinct moments a kill can land between.
             ("TRADEBUCKET__BATCH__MAX_EVENTS", "1000"),
-            // Longer than the helpers' 10 s: the local broker has stalled
-            // heartbeats for 10 s (its missing header index, since fixed),
-            // and a member that times out and rejoins is never assigned
-            // again by it (see docs/reliability.md). A kill -9'd worker is
-            // restarted after it.
-            ("TRADEBUCKET__KAFKA__SESSION_TIMEOUT", "30s"),
         ];
         all.extend_from_slice(extra);
         self.env.vars(&all)

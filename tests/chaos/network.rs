@@ -239,22 +239,10 @@ async fn s10_mongodb_black_hole() {
     s.finish(vec![w], &recs, &placed).await;
 }
 
-/// 11. Kafka black-holed for longer than the session timeout, then healed.
-///
-/// By hand only (`--ignored`): against the local broker it fails on a
-/// timing the product does not control. Tansu 0.6.0 removes a group's
-/// leader whose session expired but keeps it as the leader, and every
-/// JoinGroup after names the dead member: no rebalance completes and the
-/// worker is assigned nothing for good. Here the worker is the only member,
-/// so the leader is always the one that expires. Closing the held
-/// connections at the heal (`heal_closing`, so the expired member's late
-/// heartbeat never arrives) made it rarer, not impossible: 1 of 4 runs
-/// still stuck (issue #24; the librdkafka lines are in docs/testing.md).
-/// Apache Kafka elects a leader among the members that rejoined. The
-/// guarantee is shown reliably by `s11b_kafka_black_hole_while_another_member_leads`
-/// where it can be, and this scenario runs against a real Kafka by hand.
+/// 11. Kafka black-holed for longer than the session timeout, then healed:
+///     the worker, the group's only member and so its leader, is removed
+///     from the group and must rejoin and take every partition again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "Tansu 0.6.0 keeps an expired leader (docs/testing.md, issue #24); run by hand"]
 async fn s11_kafka_black_hole() {
     let n = events(10_000, 100_000);
     // Reduced: a 10 s session (drain below it), a 20 s hole; full: the
@@ -400,16 +388,14 @@ impl Drop for Leader {
     }
 }
 
-/// 11b. The guarantee of scenario 11, where the local broker can show it:
-/// the worker is cut off from Kafka for longer than its session timeout
-/// while the group's leader, a member of the test's own, is not (as when a
-/// partition isolates one host of several). The worker's session expires,
-/// the leader takes every partition; after the heal the worker rejoins by
-/// itself, then the leader leaves and the worker takes everything and
-/// stores every trade once: the second half of the trades is produced after
-/// the heal and can only be stored by a worker that rejoined. With the
-/// leader never cut off, the local broker's expired-leader fault (scenario
-/// 11) cannot arise.
+/// 11b. Scenario 11 with another member: the worker is cut off from Kafka
+/// for longer than its session timeout while the group's leader, a member
+/// of the test's own, is not (as when a partition isolates one host of
+/// several). The worker's session expires, the leader takes every
+/// partition; after the heal the worker rejoins by itself, then the leader
+/// leaves and the worker takes everything and stores every trade once: the
+/// second half of the trades is produced after the heal and can only be
+/// stored by a worker that rejoined.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s11b_kafka_black_hole_while_another_member_leads() {
     let n = events(10_000, 100_000);
@@ -439,8 +425,6 @@ async fn s11b_kafka_black_hole_while_another_member_leads() {
     ));
     tokio::time::sleep(Duration::from_secs(hole)).await;
     // The worker's own account: its partitions were revoked in the hole.
-    // (The local broker leaves an expired member's partitions unassigned
-    // until someone joins, so the leader's assignment does not show it.)
     let revoked = worker_metric(port, REVOKED).await;
     s.note("worker_revocations_in_the_hole", json!(revoked));
     if revoked.unwrap_or(0) == 0 {
@@ -460,43 +444,26 @@ async fn s11b_kafka_black_hole_while_another_member_leads() {
         json!(healed.elapsed().as_secs_f64()),
     );
     drop(leader);
-    let mut workers = vec![w];
-    workers.extend(hand_on_or_join(&mut s, &proxies, port, session).await);
+    hand_on(&mut s, port, session).await;
     after_heal(&mut s, prober, n, healed, "Kafka").await;
-    s.finish(workers, &recs, &placed).await;
+    s.finish(vec![w], &recs, &placed).await;
 }
 
 /// Waits until the worker on `port` owns all four partitions after the
-/// test's member left. Shaped around the local broker (docs/testing.md,
-/// s11b): Tansu 0.6.0 sometimes turns no leave into a new assignment, so
-/// the departed member's partitions stay unassigned until some member
-/// joins (twice in fresh-clone runs, 300 s and more). If the worker has
-/// not got them a session timeout later, a second worker joins, as an
-/// orchestrator keeping its replica count would; the storm does the
-/// same. Recorded as a fault, so the report says which way it went.
-/// Apache Kafka hands a leaving member's partitions on at once.
-async fn hand_on_or_join(
-    s: &mut Scenario,
-    proxies: &Proxies,
-    port: u16,
-    session: &str,
-) -> Option<WorkerProcess> {
+/// test's member left: Apache Kafka hands a departed member's partitions
+/// on at the next rebalance, within a session timeout of its last
+/// heartbeat. A failure when it does not.
+async fn hand_on(s: &mut Scenario, port: u16, session: &str) {
     let wait = humantime::parse_duration(session).expect("a duration") + Duration::from_secs(5);
     let all = poll_until(wait, POLL, || async {
         worker_metric(port, ASSIGNED).await == Some(4)
     })
     .await;
     s.note("worker_took_every_partition_after_the_leave", json!(all));
-    if all {
-        return None;
+    if !all {
+        s.failures
+            .push("the departed member's partitions were not handed on".into());
     }
-    s.fault("the leader's partitions were not handed on: a second worker joins".into());
-    let mut vars = proxies.vars();
-    vars.push((
-        "TRADEBUCKET__HTTP__LISTEN",
-        format!("127.0.0.1:{}", free_port()),
-    ));
-    Some(s.fleet.start_with(&vars))
 }
 
 /// One worker through the proxies, ready, and probed; and its HTTP port.

@@ -4,6 +4,7 @@
 mod combined;
 mod commands;
 mod dlq;
+mod kafka;
 mod mapping;
 mod network;
 mod operator;
