@@ -13,7 +13,6 @@ use std::time::Duration;
 use mongodb::bson::{doc, Document};
 use mongodb::event::command::CommandEvent;
 use mongodb::event::EventHandler;
-use rdkafka::Message;
 use serde_json::Value;
 use testkit::*;
 use tradebucket::bucket::store::BucketStore;
@@ -384,15 +383,15 @@ async fn replaying_what_a_stopped_worker_left_stores_every_trade_once() {
     assert!(replay["replayed"].as_u64().unwrap() > 0, "{replay}");
     let worker = WorkerProcess::start(bin(), env.vars(&vars[..1]), Log::Quiet);
     env.wait_committed_to_end(Duration::from_secs(120)).await;
-    assert_eq!(
-        stored_refs(&env).await,
-        (0..TRADES as i64).collect::<Vec<_>>()
-    );
+    let refs = stored_refs(&env).await;
+    let doubled = refs.windows(2).filter(|w| w[0] == w[1]).count();
+    assert_eq!(doubled, 0, "trades stored twice");
+    assert_eq!(refs, (0..TRADES as i64).collect::<Vec<_>>(), "every trade");
     let (code, clean) = reconcile(&env, &vars[..1], &[]);
     assert_eq!(code, Some(0), "{clean}");
     assert_eq!(total(&clean, "stored"), TRADES as u64, "{clean}");
 
-    let (key, replay_at) = plant_a_legacy_double(&env).await;
+    let (key, replay_at) = plant_a_legacy_double(&env, &sent, &positions).await;
     let (code, found) = reconcile(&env, &vars[..1], &[]);
     assert_eq!(code, Some(1), "{found}");
     let expected = BTreeSet::from([("stored_twice".to_string(), replay_at.0, replay_at.1)]);
@@ -408,51 +407,53 @@ async fn stored_refs(env: &TestEnv) -> Vec<i64> {
         .await
         .iter()
         .flat_map(|b| b.get_array("history").unwrap().clone())
-        .map(|h| h.as_document().unwrap().get_i64("ref").unwrap())
+        .map(|h| match h.as_document().unwrap().get("ref") {
+            Some(mongodb::bson::Bson::Int32(n)) => i64::from(*n),
+            Some(mongodb::bson::Bson::Int64(n)) => *n,
+            other => panic!("ref: {other:?}"),
+        })
         .collect();
     refs.sort_unstable();
     refs
 }
 
-/// A record replayed on a partition before its original's: stores, in a
-/// bucket of its own, its trade again under the replay key of versions
-/// before issue #46 (`r:`). Returns the key and the replay's position.
-async fn plant_a_legacy_double(env: &TestEnv) -> (String, (i64, i64)) {
-    let consumer = env.group_client();
-    let mut tpl = rdkafka::TopicPartitionList::new();
-    for p in 0..4 {
-        tpl.add_partition_offset(&env.topic, p, rdkafka::Offset::Beginning)
-            .unwrap();
-    }
-    rdkafka::consumer::Consumer::assign(&consumer, &tpl).unwrap();
-    let origin = loop {
-        let m = consumer
-            .poll(Duration::from_secs(10))
-            .expect("a record")
-            .unwrap()
-            .detach();
-        let Some(of) = header(&m, "tradebucket.replay.of") else {
-            continue;
-        };
-        let original: i32 = of.split('/').nth(1).unwrap().parse().unwrap();
-        if original > m.partition() {
-            break (of, (i64::from(m.partition()), m.offset()));
-        }
+/// A replay of a trade whose original is on partition 1 or later, sent
+/// to partition 0 (read first), as `dlq replay` sends one: a duplicate to
+/// the worker. Then its trade planted again by hand, in a bucket of its
+/// own, under the key versions before issue #46 stored a replay under
+/// (`r:`). Returns that key and the replay's position.
+async fn plant_a_legacy_double(
+    env: &TestEnv,
+    sent: &[Produced],
+    positions: &[(i32, i64)],
+) -> (String, (i64, i64)) {
+    let (i, (p, o)) = positions
+        .iter()
+        .enumerate()
+        .find(|(_, (p, _))| *p > 0)
+        .expect("a record past partition 0");
+    let origin = format!("{}/{p}/{o}", env.topic);
+    let replay = Produced {
+        partition: Some(0),
+        headers: vec![("tradebucket.replay.of".into(), origin.clone())],
+        ..sent[i].clone()
     };
-    let customer = {
-        let key = format!("o:{}", origin.0);
-        let b = env.buckets().await;
-        let holder = b.iter().find(|b| {
-            let h = b.get_array("history").unwrap();
-            h.iter()
-                .any(|e| e.as_document().unwrap().get_str("key") == Ok(key.as_str()))
-        });
-        holder.unwrap().get_i64("customerId").unwrap()
-    };
-    let prefix = format!("{customer}_");
-    let legacy = format!("r:{}", origin.0);
+    let at = env.produce(&[replay]).await[0];
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    let key = format!("o:{origin}");
+    let buckets = env.buckets().await;
+    let holder = buckets.iter().find(|b| {
+        let h = b.get_array("history").unwrap();
+        h.iter()
+            .any(|e| e.as_document().unwrap().get_str("key") == Ok(key.as_str()))
+    });
+    let customer = holder
+        .expect("the original stored")
+        .get_i64("customerId")
+        .unwrap();
+    let legacy = format!("r:{origin}");
     let bucket = doc! {
-        "_id": format!("{prefix}0000000001"), "customerId": customer, "count": 1,
+        "_id": format!("{customer}_0000000001"), "customerId": customer, "count": 1,
         "history": [{"key": &legacy}], "prev": "planted", "wm": {},
     };
     env.store()
@@ -461,5 +462,5 @@ async fn plant_a_legacy_double(env: &TestEnv) -> (String, (i64, i64)) {
         .insert_one(bucket)
         .await
         .unwrap();
-    (legacy, origin.1)
+    (legacy, (i64::from(at.0), at.1))
 }
