@@ -831,3 +831,27 @@ fn a_copy_of_a_held_trade_is_held_not_settled() {
     let outcomes = write_once(&mut writer, &events, None);
     assert_eq!(outcomes, vec![Outcome::Written, Outcome::Duplicate]);
 }
+
+/// A replay stored by a version before issue #46 holds `r:<position>`; a
+/// replay of the same record now carries `o:<position>` and that legacy
+/// key, which the writer looks up: a duplicate, not a second copy.
+#[test]
+fn a_replay_stored_under_its_legacy_key_is_not_stored_again() {
+    let db = ModelDb::default();
+    let mut writer = BucketWriter::new(db.clone(), 3, 100, Metrics::new());
+    let legacy = |key: &str| {
+        let mut t = trade(1, 0, 1_000);
+        t.key = key.into();
+        t.doc = rawdoc! {"key": key, "date": DateTime::from_millis(1_000_000)};
+        t
+    };
+    let old = vec![(legacy("r:t/0/5"), at(1, 0))];
+    assert_eq!(write_once(&mut writer, &old, None), vec![Outcome::Written]);
+    let mut replay = legacy("o:t/0/5");
+    replay.legacy_key = Some("r:t/0/5".into());
+    // A fresh writer: the cached head would not vouch for the key anyway.
+    let mut writer = BucketWriter::new(db.clone(), 3, 100, Metrics::new());
+    let outcomes = write_once(&mut writer, &[(replay, at(1, 1))], None);
+    assert_eq!(outcomes, vec![Outcome::Duplicate]);
+    assert_eq!(stored(&db.db()).len(), 1);
+}
