@@ -402,19 +402,10 @@ impl<S: BucketDb> BucketWriter<S> {
         let events = ledger.events;
         let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(ledger.pending.len());
         for (customer, idx) in &ledger.pending {
-            // Taken out of the cache, not cloned: a head holds up to `cap`
-            // keys, and this runs for every customer of every round. The
-            // plan's `after` goes back in once its writes held (`settle`)
-            // or at once if it has none (below); otherwise the customer is
-            // read again, which a failed write needs anyway.
-            let head = match self.cache.pop(customer) {
-                Some(head) => head,
-                // Not cached is not "no bucket": loaded by this call and
-                // evicted since (a write of more customers than the cache
-                // holds). Planned as new, it would start a second chain
-                // where the first bucket is gone or has no `prev`. It stays
-                // pending and is loaded again next round.
-                None => continue,
+            // Not cached is not "no bucket" (see `take_head`): it stays
+            // pending and is loaded again next round.
+            let Some(head) = self.take_head(customer) else {
+                continue;
             };
             let mut evs: Vec<Event<'_>> = idx
                 .iter()
@@ -464,6 +455,19 @@ impl<S: BucketDb> BucketWriter<S> {
             self.cache.put(customer, plan.after);
         }
         Round::new(writing)
+    }
+
+    /// The customer's newest bucket as cached (`Some(None)`: it has none),
+    /// taken out of the cache, not cloned: a head holds up to `cap` keys,
+    /// and this runs for every customer of every round. The plan's `after`
+    /// goes back in once its writes held (`settle`) or at once if it has
+    /// none; otherwise the customer is read again, which a failed write
+    /// needs anyway. `None`: not cached, which is not "no bucket": a head
+    /// loaded by this call and evicted since (a write of more customers
+    /// than the cache holds). Planned as new, such a customer started a
+    /// second chain where its first bucket was gone or had no `prev`.
+    fn take_head(&mut self, customer: &CustomerId) -> Option<Option<BucketHead>> {
+        self.cache.pop(customer)
     }
 
     /// Every fill of the round in one unordered `update` command: each
