@@ -279,10 +279,17 @@ fn is_number(text: &[u8], n: i32) -> bool {
 /// A valid trade, ready to be appended to its customer's bucket.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Trade {
-    /// The dedup identity: `t:<tradeId>`, `o:<topic>/<partition>/<offset>`,
-    /// or for a replayed dead letter `r:<its original position>`.
+    /// The dedup identity: `t:<tradeId>`, or without one
+    /// `o:<topic>/<partition>/<offset>` of the position it was first read
+    /// at (for a replay, the position `tradebucket.replay.of` names, so a
+    /// replay and its original are one trade to the unique index).
     /// Stored as `history.key` under a unique index.
     pub key: String,
+    /// The key an earlier version stored this trade under, if it had
+    /// another: `r:<original position>` for a replay without `tradeId`
+    /// (before replays took their original's `o:` key). The writer looks
+    /// it up, so a trade replayed before an upgrade is not stored again.
+    pub legacy_key: Option<String>,
     pub customer: CustomerId,
     pub ticker: String,
     /// UTC milliseconds since the epoch.
@@ -319,27 +326,42 @@ pub fn decode(payload: Option<&[u8]>, source: &Source, max_bytes: usize) -> Resu
 pub enum Identity<'a> {
     /// The position it was read at: `o:<topic>/<partition>/<offset>`.
     Read(&'a Source),
-    /// The original position of a replayed dead letter (header
-    /// `tradebucket.replay.of`): `r:<topic>/<partition>/<offset>`, a
-    /// namespace of its own, so that a forged header can never take the
-    /// identity of an event read normally.
+    /// The original position of a replayed record (header
+    /// `tradebucket.replay.of`): `o:<topic>/<partition>/<offset>`, the
+    /// original's own key, so that the unique key index stores a replay
+    /// and its original once, whichever is read first (a replay of a record
+    /// not yet handled, or of a dead letter whose record was stored after
+    /// all). Before, replays had a namespace of their own (`r:`), and both
+    /// were stored (issue #46); that key is the trade's `legacy_key`.
     ReplayOf(&'a Source),
 }
 
 impl Identity<'_> {
     fn key(self) -> String {
-        let (ns, s) = match self {
-            Identity::Read(s) => ("o", s),
-            Identity::ReplayOf(s) => ("r", s),
+        let s = match self {
+            Identity::Read(s) | Identity::ReplayOf(s) => s,
         };
-        use std::fmt::Write;
-        // Sized once: namespace, separators, partition and offset take at
-        // most 35 bytes ("o:", "/" twice, 11 and 20 digits with signs).
-        let mut key = String::with_capacity(s.topic.len() + 35);
-        // Writing to a String cannot fail.
-        let _ = write!(key, "{ns}:{}/{}/{}", s.topic, s.partition, s.offset);
-        key
+        position_key("o", s)
     }
+
+    /// The key a version before issue #46 stored a replay under.
+    fn legacy_key(self) -> Option<String> {
+        match self {
+            Identity::Read(_) => None,
+            Identity::ReplayOf(s) => Some(position_key("r", s)),
+        }
+    }
+}
+
+/// `<ns>:<topic>/<partition>/<offset>`.
+fn position_key(ns: &str, s: &Source) -> String {
+    use std::fmt::Write;
+    // Sized once: namespace, separators, partition and offset take at
+    // most 35 bytes ("o:", "/" twice, 11 and 20 digits with signs).
+    let mut key = String::with_capacity(s.topic.len() + 35);
+    // Writing to a String cannot fail.
+    let _ = write!(key, "{ns}:{}/{}/{}", s.topic, s.partition, s.offset);
+    key
 }
 
 /// [`decode`], with the identity of a trade without `tradeId` given.

@@ -14,7 +14,7 @@
 //! was stale: the writer reloads the newest bucket and plans again, which
 //! those rules make idempotent.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use mongodb::bson::Bson;
 
@@ -185,8 +185,15 @@ pub struct CustomerPlan {
     pub new_buckets: Vec<NewBucket>,
     /// At or below the watermark: stored by an earlier delivery.
     pub already_applied: Vec<usize>,
-    /// Same key as a stored trade or an earlier event of this batch.
+    /// Same key as a stored trade: the open bucket holds it, or the
+    /// writer found it in another of the customer's buckets.
     pub duplicates: Vec<usize>,
+    /// Events whose key an earlier accepted event of this batch has, each
+    /// as `(copy, first)`. Not settled by the plan: a copy is a duplicate
+    /// only once its first is stored, and the first may yet be held or
+    /// refused, leaving the copy's trade stored nowhere (the writer
+    /// settles each copy by what became of its first).
+    pub copies: Vec<(usize, usize)>,
     /// Events that cannot be placed (the `_id` space after the newest bucket
     /// is exhausted, or the newest bucket has a foreign `_id`), with why.
     pub unplaceable: Vec<(usize, String)>,
@@ -323,8 +330,9 @@ fn open_buckets(
 }
 
 /// Records in `plan` the events already stored (at or below the watermark,
-/// unless known not to be) and the duplicates (key in the open bucket,
-/// known elsewhere, or earlier in the batch); returns the rest, in order.
+/// unless known not to be), the duplicates (key in the open bucket or
+/// known elsewhere) and the copies of an earlier event of the batch;
+/// returns the rest, in order.
 fn classify<'a>(
     head: Option<&BucketHead>,
     events: &[Event<'a>],
@@ -333,7 +341,7 @@ fn classify<'a>(
 ) -> Vec<Event<'a>> {
     let mut accepted: Vec<Event<'a>> = Vec::with_capacity(events.len());
     // foldhash, as `KeySet` and for its reason: every event's key goes in.
-    let mut seen: HashSet<&str, foldhash::fast::RandomState> = HashSet::default();
+    let mut seen: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
     for ev in events {
         let applied =
             !known.not_stored.contains(&ev.trade.key) && head.is_some_and(|h| h.covers(ev.source));
@@ -341,10 +349,12 @@ fn classify<'a>(
             plan.already_applied.push(ev.index);
         } else if head.is_some_and(|h| h.keys.contains(&ev.trade.key))
             || known.elsewhere.contains(&ev.trade.key)
-            || !seen.insert(&ev.trade.key)
         {
             plan.duplicates.push(ev.index);
+        } else if let Some(&first) = seen.get(ev.trade.key.as_str()) {
+            plan.copies.push((ev.index, first));
         } else {
+            seen.insert(&ev.trade.key, ev.index);
             accepted.push(*ev);
         }
     }

@@ -132,7 +132,10 @@ impl<S: BucketDb> BucketWriter<S> {
     ) -> Result<WriteStats, StoreError> {
         assert_eq!(events.len(), outcomes.len(), "one outcome per event");
         let mut ledger = Ledger::new(events, outcomes, hold);
-        let result = self.rounds(&mut ledger).await;
+        let result = match self.verify_legacy_keys(&mut ledger).await {
+            Ok(()) => self.rounds(&mut ledger).await,
+            Err(e) => Err(e),
+        };
         if result.is_err() {
             // Whatever we were doing, we no longer know the state of these
             // customers.
@@ -186,6 +189,40 @@ impl<S: BucketDb> BucketWriter<S> {
             if !round.conflicted.is_empty() {
                 self.learn_stored_keys(ledger, &round.conflicted).await?;
             }
+        }
+        Ok(())
+    }
+
+    /// A replay without `tradeId` is keyed as its original (`o:`); a
+    /// version before issue #46 stored replays under `r:`, which no unique
+    /// index ties to the `o:` key. So the legacy keys of the call's
+    /// pending replays are looked up once: one found in the customer's own
+    /// buckets makes the replay a duplicate, as its `o:` key would. Those
+    /// entries only shrink in number (no version writes them any more), so
+    /// a lookup is as good as a guard, except against pods of the earlier
+    /// version still running (docs/operations.md, "Replay"). One query,
+    /// only for batches holding replays.
+    async fn verify_legacy_keys(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
+        let events = ledger.events;
+        let mut asked: HashMap<&str, Vec<usize>> = HashMap::new();
+        for idx in ledger.pending.values() {
+            for &i in idx {
+                if let Some(legacy) = &events[i].0.legacy_key {
+                    asked.entry(legacy.as_str()).or_default().push(i);
+                }
+            }
+        }
+        if asked.is_empty() {
+            return Ok(());
+        }
+        let keys = keys_of(events, &asked);
+        let timer = self.timer(WriteOperation::FindKeys);
+        let found = self.store.find_keys(&keys).await?;
+        timer.observe_duration();
+        for i in stored_in_own_bucket(events, &asked, &found) {
+            let trade = &events[i].0;
+            let known = ledger.known.entry(trade.customer.clone()).or_default();
+            known.elsewhere.insert(trade.key.clone());
         }
         Ok(())
     }
@@ -365,12 +402,11 @@ impl<S: BucketDb> BucketWriter<S> {
         let events = ledger.events;
         let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(ledger.pending.len());
         for (customer, idx) in &ledger.pending {
-            // Taken out of the cache, not cloned: a head holds up to `cap`
-            // keys, and this runs for every customer of every round. The
-            // plan's `after` goes back in once its writes held (`settle`)
-            // or at once if it has none (below); otherwise the customer is
-            // read again, which a failed write needs anyway.
-            let head = self.cache.pop(customer).flatten();
+            // Not cached is not "no bucket" (see `take_head`): it stays
+            // pending and is loaded again next round.
+            let Some(head) = self.take_head(customer) else {
+                continue;
+            };
             let mut evs: Vec<Event<'_>> = idx
                 .iter()
                 .filter(|&&i| !ledger.outcomes[i].is_final())
@@ -397,6 +433,7 @@ impl<S: BucketDb> BucketWriter<S> {
             );
             record(ledger.outcomes, &plan.held, Outcome::Held);
             record(ledger.outcomes, &plan.duplicates, Outcome::Duplicate);
+            settle_copies(ledger.outcomes, &plan.copies);
             for (i, why) in &plan.unplaceable {
                 let reject = Reject::new(RejectKind::Rejected, why.clone());
                 record(ledger.outcomes, &[*i], Outcome::DeadLetter(reject));
@@ -418,6 +455,19 @@ impl<S: BucketDb> BucketWriter<S> {
             self.cache.put(customer, plan.after);
         }
         Round::new(writing)
+    }
+
+    /// The customer's newest bucket as cached (`Some(None)`: it has none),
+    /// taken out of the cache, not cloned: a head holds up to `cap` keys,
+    /// and this runs for every customer of every round. The plan's `after`
+    /// goes back in once its writes held (`settle`) or at once if it has
+    /// none; otherwise the customer is read again, which a failed write
+    /// needs anyway. `None`: not cached, which is not "no bucket": a head
+    /// loaded by this call and evicted since (a write of more customers
+    /// than the cache holds). Planned as new, such a customer started a
+    /// second chain where its first bucket was gone or had no `prev`.
+    fn take_head(&mut self, customer: &CustomerId) -> Option<Option<BucketHead>> {
+        self.cache.pop(customer)
     }
 
     /// Every fill of the round in one unordered `update` command: each
@@ -597,11 +647,12 @@ impl<S: BucketDb> BucketWriter<S> {
             round.conflicted.iter().chain(round.stale.iter()).collect();
         for planned in plans {
             let customer = planned.customer;
+            settle_copies(ledger.outcomes, &planned.plan.copies);
             if planned.held && !unsettled.contains(&customer) {
-                // An isolated customer wrote part of its events: more may
+                // An isolated customer wrote part of its events, and a copy
+                // whose first was refused is planned on its own: more may
                 // wait.
-                let done = all_final(ledger.pending.get(&customer), ledger.outcomes);
-                if done || !ledger.isolate.contains_key(&customer) {
+                if all_final(ledger.pending.get(&customer), ledger.outcomes) {
                     ledger.pending.remove(&customer);
                 }
                 self.cache.put(customer, planned.plan.after);
@@ -672,6 +723,24 @@ impl<S: BucketDb> BucketWriter<S> {
             }
         }
         Ok(())
+    }
+}
+
+/// Settles each `(copy, first)` of a batch by what became of its first: a
+/// duplicate once the first is stored (written, or found stored), held
+/// while it is held. A copy whose first was dead-lettered stays pending and
+/// is planned on its own next round (an upstream copy may carry another
+/// payload, which may be stored where the first's was refused); one whose
+/// first is pending waits. design.md: an event is settled only on proof
+/// that its own trade is stored.
+fn settle_copies(outcomes: &mut [Outcome], copies: &[(usize, usize)]) {
+    for &(copy, first) in copies {
+        let settled = match &outcomes[first] {
+            Outcome::Written | Outcome::AlreadyApplied | Outcome::Duplicate => Outcome::Duplicate,
+            Outcome::Held => Outcome::Held,
+            Outcome::DeadLetter(_) | Outcome::Pending => continue,
+        };
+        record(outcomes, &[copy], settled);
     }
 }
 

@@ -87,9 +87,9 @@ impl TradeFields {
         let ticker = self.ticker.ok_or_else(|| missing("ticker"))?;
         let qty = self.qty.ok_or_else(|| missing("qty"))?;
         let (date_ms, offset_minutes) = self.date.ok_or_else(|| missing("date"))?;
-        let (key, id) = match self.trade_id {
-            Some(TradeId { key, int }) => (key, Some(int)),
-            None => (identity.key(), None),
+        let (key, id, legacy_key) = match self.trade_id {
+            Some(TradeId { key, int }) => (key, Some(int), None),
+            None => (identity.key(), None, identity.legacy_key()),
         };
         let head = Head {
             id,
@@ -105,6 +105,7 @@ impl TradeFields {
         check_entry_size(&doc)?;
         Ok(Trade {
             key,
+            legacy_key,
             customer,
             ticker,
             date_ms,

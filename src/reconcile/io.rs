@@ -142,7 +142,8 @@ pub async fn run_with(
     progress: bool,
 ) -> Result<Report, ReconcileError> {
     let dead_letter_topics = dlq_io::default_topics(settings);
-    let mut ledger = Ledger::new(dead_letter_sources(settings, &dead_letter_topics, opts)?);
+    let mut ledger = Ledger::new(dead_letter_sources(settings, &dead_letter_topics, opts)?)
+        .sharded(settings.mongodb.sharded);
     // The worker's own group: its committed offsets are read, never
     // written; the client joins nothing.
     let client = kafka::reader_client(settings, &settings.kafka.group_id)?;

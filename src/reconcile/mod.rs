@@ -152,8 +152,8 @@ impl Counts {
 pub struct TradeSeen<'a> {
     pub at: &'a Source,
     pub customer: &'a CustomerId,
-    /// Its key, and the key a replay of it would be stored under (a trade
-    /// without `tradeId` replayed from here is `r:<position>`).
+    /// Its key, and the key an earlier version stored a replay of it under
+    /// (`r:<position>` for a trade without `tradeId`).
     pub keys: &'a [String],
     /// The buckets holding any of `keys` (one entry per stored copy).
     pub buckets: &'a [String],
@@ -167,10 +167,20 @@ pub struct TradeSeen<'a> {
 /// keys sharing a hash (about one chance in 10^7 at a billion trades) make
 /// the later one count as an upstream duplicate instead of stored: neither
 /// is a problem, so a collision never hides one.
+///
+/// Keys are hashed by slot: sharded, a trade id is unique per customer,
+/// so customer 8's `t:X` is not customer 7's, neither as an upstream
+/// duplicate nor as a double already reported.
 #[derive(Debug, Default)]
 pub struct Ledger {
     dead_letters: HashMap<Source, u32>,
     seen: HashSet<u64>,
+    /// The keys of every trade reported stored twice: each double is said
+    /// once, at the first record read of it, whatever that record is (the
+    /// original or a replay, in whichever partition is read first).
+    doubled: HashSet<u64>,
+    /// Sharded mode: keys are the customer's.
+    sharded: bool,
     pub counts: BTreeMap<(String, i32), Counts>,
     pub problems: Vec<Problem>,
     pub by_kind: BTreeMap<ProblemKind, u64>,
@@ -207,6 +217,12 @@ impl Ledger {
         self.record(at, None, &[], verdict)
     }
 
+    /// Keys hashed per customer, as sharded mode's unique index holds them.
+    pub fn sharded(mut self, sharded: bool) -> Ledger {
+        self.sharded = sharded;
+        self
+    }
+
     /// A trade: stored once under its customer, or dead-lettered.
     pub fn trade(&mut self, t: &TradeSeen<'_>) -> Verdict {
         let own = Prefix::of(t.customer);
@@ -215,20 +231,32 @@ impl Ledger {
             .iter()
             .filter(|b| Prefix::of_id(b).as_ref() == Some(&own))
             .count();
+        let hashes: Vec<u64> = t
+            .keys
+            .iter()
+            .map(|k| slot_hash(self.sharded.then_some(&own), k))
+            .collect();
         // Every key goes in (no short circuit): a later replay of this
-        // record, stored under its `r:` key, is its upstream duplicate.
+        // record, or a copy stored under a version's older key, is its
+        // upstream duplicate.
         let mut first = true;
-        for k in t.keys {
-            first &= self.seen.insert(hash(k));
+        for h in &hashes {
+            first &= self.seen.insert(*h);
+        }
+        // A double is said whatever was read before: it is judged before
+        // the upstream duplicate, so reading a replay (or another
+        // customer's same id) first cannot hide the two copies.
+        let doubled = t.buckets.len() > 1 && !hashes.iter().any(|h| self.doubled.contains(h));
+        if doubled {
+            self.doubled.extend(&hashes);
         }
         let verdict = match (self.dead_letters.contains_key(t.at), own_copies) {
             (true, 0) => Verdict::DeadLettered,
             (true, _) => Verdict::Problem(ProblemKind::DeadLetteredAndStored),
             (false, _) if t.buckets.is_empty() => Verdict::Problem(ProblemKind::Missing),
             (false, 0) => Verdict::Problem(ProblemKind::Misfiled),
-            // Stored twice is said once, at the key's first record.
-            (false, _) if !first => Verdict::UpstreamDuplicate,
-            (false, _) if t.buckets.len() > 1 => Verdict::Problem(ProblemKind::StoredTwice),
+            (false, _) if doubled => Verdict::Problem(ProblemKind::StoredTwice),
+            (false, _) if !first || t.buckets.len() > 1 => Verdict::UpstreamDuplicate,
             (false, _) => Verdict::Stored,
         };
         self.record(t.at, t.keys.first(), t.buckets, verdict)
@@ -290,16 +318,22 @@ impl Ledger {
     }
 }
 
-/// A fixed hash (SipHash with zero keys): the same key, the same hash.
-fn hash(key: &str) -> u64 {
+/// A fixed hash (SipHash with zero keys) of a key, after its customer's
+/// `_id` prefix when sharded (a prefix ends at its only `_`, so the two
+/// never run together ambiguously): the same slot, the same hash.
+fn slot_hash(customer: Option<&Prefix>, key: &str) -> u64 {
     let mut h = DefaultHasher::new();
+    if let Some(prefix) = customer {
+        prefix.as_str().hash(&mut h);
+    }
     key.hash(&mut h);
     h.finish()
 }
 
 /// The keys a trade may be stored under: its own, and for one identified by
-/// its position (`o:`), the replay identity of that position (`r:`), which
-/// `--replay-missing` and `dlq replay` give it.
+/// its position (`o:`), the key versions before issue #46 stored a replay
+/// of that position under (`r:`). A replay is now stored under its
+/// original's `o:` key; a copy under each is a double.
 pub fn keys_of(key: &str) -> Vec<String> {
     match key.strip_prefix("o:") {
         Some(position) => vec![key.to_string(), format!("r:{position}")],

@@ -157,3 +157,83 @@ fn spans_run_from_the_asked_or_retained_start_to_the_committed_offset() {
     let s6 = span(tp, (0, 100), Some(60), Start::At(80), false);
     assert_eq!((s6.from, s6.to), (80, 80));
 }
+
+/// Issue #46: a trade without `tradeId` stored once under its position
+/// (`o:`) and once under the key versions before stored its replay under
+/// (`r:`) is a double, whichever of its records is read first. With the
+/// replay's partition read first, the replay was counted stored and the
+/// original, doubled, an upstream duplicate: exit 0.
+#[test]
+fn a_double_is_reported_whichever_record_is_read_first() {
+    let both = s(&["7_100", "7_200"]);
+    let (original, replay) = (
+        at(5),
+        Source {
+            partition: 1,
+            ..at(9)
+        },
+    );
+    for order in [[&original, &replay], [&replay, &original]] {
+        let mut l = Ledger::new([]);
+        let keys = keys_of("o:trades/0/5");
+        let verdicts: Vec<Verdict> = order
+            .iter()
+            .map(|at| l.trade(&seen(at, &c7(), &keys, &both)))
+            .collect();
+        assert_eq!(
+            verdicts,
+            vec![
+                Verdict::Problem(ProblemKind::StoredTwice),
+                Verdict::UpstreamDuplicate
+            ]
+        );
+        assert_eq!(l.total().problems, 1);
+    }
+    // A key read first with one copy (as a version before #46 read a
+    // replay: its `r:` key alone) and then with two still reports the two.
+    let mut l = Ledger::new([]);
+    let one = s(&["7_200"]);
+    let r_only = s(&["r:trades/0/5"]);
+    assert_eq!(
+        l.trade(&seen(&replay, &c7(), &r_only, &one)),
+        Verdict::Stored
+    );
+    let keys = keys_of("o:trades/0/5");
+    assert_eq!(
+        l.trade(&seen(&original, &c7(), &keys, &both)),
+        Verdict::Problem(ProblemKind::StoredTwice)
+    );
+}
+
+/// Sharded, a trade id is the customer's: customer 8's `t:X` stored twice
+/// is reported although customer 7's `t:X` was read before, and is not
+/// its upstream duplicate.
+#[test]
+fn sharded_doubles_and_duplicates_are_per_customer() {
+    let c8 = CustomerId::Int(8);
+    let keys = s(&["t:X"]);
+    for sharded in [false, true] {
+        let mut l = Ledger::new([]).sharded(sharded);
+        let seven = s(&["7_100"]);
+        assert_eq!(
+            l.trade(&seen(&at(0), &c7(), &keys, &seven)),
+            Verdict::Stored
+        );
+        let eights = s(&["8_100", "8_200"]);
+        let verdict = l.trade(&seen(&at(1), &c8, &keys, &eights));
+        assert_eq!(
+            verdict,
+            Verdict::Problem(ProblemKind::StoredTwice),
+            "sharded {sharded}"
+        );
+        let eight = s(&["8_100"]);
+        let verdict = l.trade(&seen(&at(2), &c8, &keys, &eight));
+        assert_eq!(verdict, Verdict::UpstreamDuplicate, "sharded {sharded}");
+        if sharded {
+            let mut l = Ledger::new([]).sharded(true);
+            l.trade(&seen(&at(0), &c7(), &keys, &seven));
+            let verdict = l.trade(&seen(&at(1), &c8, &keys, &eight));
+            assert_eq!(verdict, Verdict::Stored, "another customer's trade");
+        }
+    }
+}

@@ -580,13 +580,18 @@ async fn each_mode_refuses_a_collection_laid_out_for_the_other() {
         .insert_one(doc! {"_id": "42_1700000000", "customerId": "42", "count": 0})
         .await
         .expect("insert");
-    sharded
-        .init()
-        .await
-        .expect("start-up does not scan for them");
-    match sharded.init_and_shard().await {
-        Err(InitError::Layout(why)) => assert!(why.contains("42_1700000000"), "{why}"),
-        other => panic!("expected a refusal, got {other:?}"),
+    // Refused by the worker's start-up too, not only by `init`: a worker
+    // moved to sharded mode without `init` would not find the customer's
+    // bucket, start a second chain and store redelivered trades again
+    // (issue #46, item 3).
+    for refusal in [sharded.init().await, sharded.init_and_shard().await] {
+        match refusal {
+            Err(InitError::Layout(why)) => assert!(why.contains("42_1700000000"), "{why}"),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
     }
+    let (code, _, stderr) = binary("run", &env.vars(&[(SHARDED, "true")]));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("42_1700000000"), "{stderr}");
     env.cleanup().await;
 }

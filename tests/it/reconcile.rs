@@ -194,12 +194,35 @@ async fn remove_by_hand(env: &TestEnv) -> BTreeSet<String> {
     let by_id = four.iter().find(|k| k.starts_with("t:")).unwrap();
     let by_position = four.iter().find(|k| k.starts_with("o:")).unwrap();
     for key in [by_id, by_position] {
-        coll.update_many(doc! {}, doc! {"$pull": {"history": {"key": key}}})
-            .await
-            .unwrap();
+        take_out(&coll, key).await;
         removed.insert(key.clone());
     }
     removed
+}
+
+/// Takes the trade `key` out of the bucket holding it, as an operator's
+/// `$pull` would (its `count` left as it was). Done as delete and re-insert:
+/// the local stand-in for MongoDB leaves a `$pull`ed value in the unique
+/// multikey index (STACK.md; mongod removes it), and the replay of a
+/// trade without `tradeId`, stored under its original key since issue #46,
+/// would then meet a duplicate key no bucket holds.
+async fn take_out(coll: &mongodb::Collection<Document>, key: &str) {
+    let mut bucket = coll
+        .find_one(doc! {"history.key": key})
+        .await
+        .unwrap()
+        .expect("a bucket holds the key");
+    let history: Vec<mongodb::bson::Bson> = bucket
+        .get_array("history")
+        .unwrap()
+        .iter()
+        .filter(|h| h.as_document().unwrap().get_str("key") != Ok(key))
+        .cloned()
+        .collect();
+    bucket.insert("history", history);
+    let id = bucket.get_str("_id").unwrap().to_string();
+    coll.delete_one(doc! {"_id": &id}).await.unwrap();
+    coll.insert_one(bucket).await.unwrap();
 }
 
 /// Pointed at a dead-letter topic without the bad records' dead letters,
@@ -311,4 +334,133 @@ async fn from_and_uncommitted_partitions_bound_what_is_checked() {
     assert_eq!(report.total.stored as i64, ends[&p] - 1);
     assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
     env.cleanup().await;
+}
+
+/// Issue #46, as an operator met it: trades without `tradeId`, unkeyed,
+/// on four partitions; the worker, rate-limited, stopped part-way; then,
+/// as the runbook says, `reconcile --to-end --replay-missing` replays every
+/// record not yet handled, and the worker runs to the end. Before, every
+/// replayed trade was stored twice (`o:<position>` and `r:<position>`).
+/// Each trade is counted by an id of the test's own (`ref`), not the
+/// product's key. Then a double planted by hand, under the key an earlier
+/// version stored a replay under, whose replay's partition is read before
+/// its original's: reconcile reports it.
+#[tokio::test]
+async fn replaying_what_a_stopped_worker_left_stores_every_trade_once() {
+    const TRADES: usize = 1_200;
+    let env = TestEnv::new("reconcile-replay-lag", 4).await;
+    let sent: Vec<Produced> = (0..TRADES)
+        .map(|i| {
+            let mut json = trade("").no_id().customer(i as i64 % 40).json();
+            json["ref"] = Value::from(i as i64);
+            Produced {
+                payload: Some(json.to_string().into_bytes()),
+                ..Produced::default()
+            }
+        })
+        .collect();
+    let positions = env.produce(&sent).await;
+    let used: BTreeSet<i32> = positions.iter().map(|(p, _)| *p).collect();
+    assert!(used.len() > 1, "unkeyed records spread: {used:?}");
+    let vars = [
+        ("TRADEBUCKET__BUCKETS__CAPACITY", "10"),
+        ("TRADEBUCKET__RATE_LIMIT__EVENTS_PER_SECOND", "100"),
+    ];
+    let lagging = WorkerProcess::start(bin(), env.vars(&vars), Log::Quiet);
+    let part_way = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || async { env.committed().values().sum::<i64>() >= 150 },
+    )
+    .await;
+    assert!(part_way, "the worker committed nothing");
+    assert_eq!(lagging.sigterm(Duration::from_secs(30)), Some(0));
+    let left: i64 = (TRADES as i64) - env.committed().values().sum::<i64>();
+    assert!(left > 0, "the worker was stopped too late");
+
+    let (code, replay) = reconcile(&env, &vars[..1], &["--to-end", "--replay-missing"]);
+    assert_eq!(code, Some(1), "{replay}");
+    assert!(replay["replayed"].as_u64().unwrap() > 0, "{replay}");
+    let worker = WorkerProcess::start(bin(), env.vars(&vars[..1]), Log::Quiet);
+    env.wait_committed_to_end(Duration::from_secs(120)).await;
+    let refs = stored_refs(&env).await;
+    let doubled = refs.windows(2).filter(|w| w[0] == w[1]).count();
+    assert_eq!(doubled, 0, "trades stored twice");
+    assert_eq!(refs, (0..TRADES as i64).collect::<Vec<_>>(), "every trade");
+    let (code, clean) = reconcile(&env, &vars[..1], &[]);
+    assert_eq!(code, Some(0), "{clean}");
+    assert_eq!(total(&clean, "stored"), TRADES as u64, "{clean}");
+
+    let (key, replay_at) = plant_a_legacy_double(&env, &sent, &positions).await;
+    let (code, found) = reconcile(&env, &vars[..1], &[]);
+    assert_eq!(code, Some(1), "{found}");
+    let expected = BTreeSet::from([("stored_twice".to_string(), replay_at.0, replay_at.1)]);
+    assert_eq!(problems(&found), expected, "{key}: {found}");
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    env.cleanup().await;
+}
+
+/// Every `ref` stored, sorted (a trade stored twice is there twice).
+async fn stored_refs(env: &TestEnv) -> Vec<i64> {
+    let mut refs: Vec<i64> = env
+        .buckets()
+        .await
+        .iter()
+        .flat_map(|b| b.get_array("history").unwrap().clone())
+        .map(|h| match h.as_document().unwrap().get("ref") {
+            Some(mongodb::bson::Bson::Int32(n)) => i64::from(*n),
+            Some(mongodb::bson::Bson::Int64(n)) => *n,
+            other => panic!("ref: {other:?}"),
+        })
+        .collect();
+    refs.sort_unstable();
+    refs
+}
+
+/// A replay of a trade whose original is on partition 1 or later, sent
+/// to partition 0 (read first), as `dlq replay` sends one: a duplicate to
+/// the worker. Then its trade planted again by hand, in a bucket of its
+/// own, under the key versions before issue #46 stored a replay under
+/// (`r:`). Returns that key and the replay's position.
+async fn plant_a_legacy_double(
+    env: &TestEnv,
+    sent: &[Produced],
+    positions: &[(i32, i64)],
+) -> (String, (i64, i64)) {
+    let (i, (p, o)) = positions
+        .iter()
+        .enumerate()
+        .find(|(_, (p, _))| *p > 0)
+        .expect("a record past partition 0");
+    let origin = format!("{}/{p}/{o}", env.topic);
+    let replay = Produced {
+        partition: Some(0),
+        headers: vec![("tradebucket.replay.of".into(), origin.clone())],
+        ..sent[i].clone()
+    };
+    let at = env.produce(&[replay]).await[0];
+    env.wait_committed_to_end(Duration::from_secs(60)).await;
+    let key = format!("o:{origin}");
+    let buckets = env.buckets().await;
+    let holder = buckets.iter().find(|b| {
+        let h = b.get_array("history").unwrap();
+        h.iter()
+            .any(|e| e.as_document().unwrap().get_str("key") == Ok(key.as_str()))
+    });
+    let customer = holder
+        .expect("the original stored")
+        .get_i64("customerId")
+        .unwrap();
+    let legacy = format!("r:{origin}");
+    let bucket = doc! {
+        "_id": format!("{customer}_0000000001"), "customerId": customer, "count": 1,
+        "history": [{"key": &legacy}], "prev": "planted", "wm": {},
+    };
+    env.store()
+        .await
+        .collection()
+        .insert_one(bucket)
+        .await
+        .unwrap();
+    (legacy, (i64::from(at.0), at.1))
 }

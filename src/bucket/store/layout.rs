@@ -55,6 +55,7 @@ impl BucketStore {
             return Err(InitError::Layout(conflict));
         }
         let state = self.shard_state().await?;
+        self.refuse_non_canonical_customers().await?;
         let create = self.coll.create_indexes(index_models(self.sharded));
         bounded("createIndexes", self.operation_limit, create).await?;
         match (&state, self.sharded) {
@@ -77,27 +78,35 @@ impl BucketStore {
         Ok(state)
     }
 
-    /// [`BucketStore::init`], and in sharded mode through mongos, shards
-    /// the collection on `{customerId: 1}` if it is not yet: what
-    /// `tradebucket init` does. First refuses buckets whose `customerId`
-    /// is not in its canonical form (a collection moved from unsharded
-    /// mode whose customer ids came as text of digits), which sharded mode
-    /// would not find.
-    pub async fn init_and_shard(&self) -> Result<ShardState, InitError> {
-        let state = self.init().await?;
+    /// In sharded mode, refuses buckets whose `customerId` is not in its
+    /// canonical form (a collection moved from unsharded mode whose
+    /// customer ids came as text of digits): sharded mode's filters and
+    /// customer-scoped unique indexes carry the number, so they would not
+    /// find those buckets, and the customer would get a second chain and
+    /// its redelivered trades a second copy. Checked by `init` itself, so
+    /// a worker started without `tradebucket init` refuses them too.
+    async fn refuse_non_canonical_customers(&self) -> Result<(), InitError> {
         if !self.sharded {
-            return Ok(state);
+            return Ok(());
         }
-        if let Some(id) = self.non_canonical_customer().await? {
-            return Err(InitError::Layout(format!(
+        match self.non_canonical_customer().await? {
+            None => Ok(()),
+            Some(id) => Err(InitError::Layout(format!(
                 "{ns} holds buckets whose customerId is text of digits (bucket {id}); sharded \
                  mode stores such ids as numbers and would not find them. Convert them, with \
                  every worker stopped, as \"Moving an existing collection\" in \
                  docs/operations.md#sharding shows, then run init again",
                 ns = self.namespace()
-            )));
+            ))),
         }
-        if state != ShardState::NotSharded {
+    }
+
+    /// [`BucketStore::init`], and in sharded mode through mongos, shards
+    /// the collection on `{customerId: 1}` if it is not yet: what
+    /// `tradebucket init` does.
+    pub async fn init_and_shard(&self) -> Result<ShardState, InitError> {
+        let state = self.init().await?;
+        if !self.sharded || state != ShardState::NotSharded {
             return Ok(state);
         }
         // Bounded too: `init` run again after a timeout finds the

@@ -33,6 +33,7 @@ mod bson_out;
 mod codec;
 mod error;
 mod heads;
+mod keys;
 mod layout;
 #[cfg(test)]
 mod oracle;
@@ -49,7 +50,7 @@ pub use layout::{collection_conflict, layout_conflict, ShardState, SHARD_KEY_FIE
 pub use write::{chunk_by_size, update_command};
 use write::{insert_failure, parse_write_reply, write_concern, write_concern_doc};
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::future::IntoFuture;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -70,10 +71,6 @@ use secrecy::ExposeSecret;
 
 use crate::config::Settings;
 use crate::event::CustomerId;
-
-/// Customers per `find_keys` query in sharded mode: each is one branch of
-/// an `$or`, which the server plans branch by branch.
-const FIND_KEYS_CUSTOMERS_PER_QUERY: usize = 500;
 
 /// Awaits `operation` for at most `limit`; an expired one is a
 /// [`StoreError::TimedOut`], dropped mid-flight (see there).
@@ -246,73 +243,34 @@ impl BucketStore {
         self.find_entries(wanted, true).await
     }
 
-    /// `find_keys`, or with `every_key` each found bucket's every key.
+    /// `find_keys`, or with `every_key` each found bucket's every key. The
+    /// keys go in filters of bounded size ([`keys::key_filters`]); a bucket
+    /// that matches more than one is read once.
     async fn find_entries(
         &self,
         wanted: &[(CustomerId, String)],
         every_key: bool,
     ) -> Result<Vec<(String, String)>, StoreError> {
-        if wanted.is_empty() {
-            return Ok(Vec::new());
-        }
-        if !self.sharded {
-            let keys: HashSet<&str> = wanted.iter().map(|(_, k)| k.as_str()).collect();
-            let list: Vec<&str> = keys.iter().copied().collect();
-            return self
-                .keys_in(doc! {"history.key": {"$in": list}}, |_, k| {
-                    every_key || keys.contains(k)
-                })
-                .await;
-        }
-        let mut by_customer: BTreeMap<CustomerId, HashSet<&str>> = BTreeMap::new();
-        for (customer, key) in wanted {
-            by_customer
-                .entry(customer.canonical())
-                .or_default()
-                .insert(key.as_str());
-        }
-        let asked: HashSet<(String, &str)> = by_customer
-            .iter()
-            .flat_map(|(c, keys)| {
-                keys.iter()
-                    .map(|k| (Prefix::of(c).as_str().to_string(), *k))
-            })
-            .collect();
-        let groups: Vec<(CustomerId, HashSet<&str>)> = by_customer.into_iter().collect();
+        let asked = keys::Asked::new(wanted, self.sharded);
+        let mut read: HashSet<String> = HashSet::new();
         let mut found = Vec::new();
-        for chunk in groups.chunks(FIND_KEYS_CUSTOMERS_PER_QUERY) {
-            let mut branches: Vec<Document> = chunk
-                .iter()
-                .map(|(customer, keys)| {
-                    let keys: Vec<&str> = keys.iter().copied().collect();
-                    doc! {SHARD_KEY_FIELD: customer.to_bson(), "history.key": {"$in": keys}}
-                })
-                .collect();
-            let filter = if branches.len() == 1 {
-                branches.pop().expect("one branch")
-            } else {
-                doc! {"$or": branches}
-            };
-            // A bucket's other keys may be another asker's: only the
-            // bucket's own customer's count.
-            let owned = |id: &str, k: &str| {
-                every_key
-                    || Prefix::of_id(id)
-                        .is_some_and(|p| asked.contains(&(p.as_str().to_string(), k)))
-            };
-            found.extend(self.keys_in(filter, owned).await?);
+        for filter in keys::key_filters(wanted, self.sharded) {
+            let wanted = |id: &str, k: &str| every_key || asked.has(id, k);
+            found.extend(self.keys_in(filter, &mut read, wanted).await?);
         }
         Ok(found)
     }
 
     /// `(key, bucket _id)` for every history key of the buckets `filter`
-    /// matches that `wanted(bucket _id, key)` accepts.
+    /// matches, and not `read` before, that `wanted(bucket _id, key)`
+    /// accepts.
     async fn keys_in(
         &self,
         filter: Document,
+        read: &mut HashSet<String>,
         wanted: impl Fn(&str, &str) -> bool,
     ) -> Result<Vec<(String, String)>, StoreError> {
-        let read = async {
+        let find = async {
             let mut cursor = self
                 .reads
                 .find(filter)
@@ -322,6 +280,9 @@ impl BucketStore {
             let mut found = Vec::new();
             while let Some(d) = cursor.try_next().await? {
                 let id = d.get_str("_id").unwrap_or_default().to_string();
+                if !read.insert(id.clone()) {
+                    continue;
+                }
                 for entry in d.get_array("history").map(|a| a.as_slice()).unwrap_or(&[]) {
                     if let Some(k) = entry.as_document().and_then(|e| e.get_str("key").ok()) {
                         if wanted(&id, k) {
@@ -332,7 +293,7 @@ impl BucketStore {
             }
             Ok::<_, mongodb::error::Error>(found)
         };
-        bounded("find", self.operation_limit, read).await
+        bounded("find", self.operation_limit, find).await
     }
 
     /// Runs fill statements (unordered: each is its own customer's).

@@ -37,13 +37,17 @@ pub fn decode_as(
     fields.into_trade(identity)
 }
 
-/// `Identity::key`.
-fn identity_key(identity: Identity<'_>) -> String {
-    let (ns, s) = match identity {
-        Identity::Read(s) => ("o", s),
-        Identity::ReplayOf(s) => ("r", s),
+/// `Identity::key` and `Identity::legacy_key`.
+fn identity_key(identity: Identity<'_>) -> (String, Option<String>) {
+    let (replay, s) = match identity {
+        Identity::Read(s) => (false, s),
+        Identity::ReplayOf(s) => (true, s),
     };
-    format!("{ns}:{}/{}/{}", s.topic, s.partition, s.offset)
+    let position = format!("{}/{}/{}", s.topic, s.partition, s.offset);
+    (
+        format!("o:{position}"),
+        replay.then(|| format!("r:{position}")),
+    )
 }
 
 /// `event::field_err`.
@@ -175,8 +179,8 @@ impl TradeFields {
         let ticker = self.ticker.ok_or_else(|| missing("ticker"))?;
         let qty = self.qty.ok_or_else(|| missing("qty"))?;
         let (date_ms, offset_minutes) = self.date.ok_or_else(|| missing("date"))?;
-        let key = match &self.trade_id {
-            Some((_, text)) => format!("t:{text}"),
+        let (key, legacy_key) = match &self.trade_id {
+            Some((_, text)) => (format!("t:{text}"), None),
             None => identity_key(identity),
         };
         // Encoded field by field, straight into the bytes the writer sends:
@@ -209,6 +213,7 @@ impl TradeFields {
         check_entry_size(&doc)?;
         Ok(Trade {
             key,
+            legacy_key,
             customer,
             ticker,
             date_ms,

@@ -50,6 +50,7 @@ fn trade() -> impl Strategy<Value = Trade> {
         }
         Trade {
             key,
+            legacy_key: None,
             customer: CustomerId::Int(1),
             ticker: String::new(),
             date_ms: 0,
