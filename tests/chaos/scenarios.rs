@@ -113,15 +113,27 @@ async fn s1_crash_loop_kill9_at_random_moments() {
 ///    one instance followed by its restart, while events keep arriving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s2_group_rolling_restarts_and_a_kill() {
+    group_of_three("s2-group", "classic").await;
+}
+
+/// 2b. Scenario 2 under the consumer group protocol (KIP-848): the broker
+///     assigns, member by member, and the session is the broker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2b_group_rolling_restarts_and_a_kill_consumer_protocol() {
+    group_of_three("s2b-group-kip848", "consumer").await;
+}
+
+async fn group_of_three(name: &'static str, protocol: &str) {
     let n = events(20_000, 100_000);
     let rounds = pick(1, 2);
     let mut s = Scenario::start(
-        "s2-group",
+        name,
         "Group of three: rolling SIGTERM restarts, kill -9 and restart",
         6,
-        &[],
+        &[("TRADEBUCKET__KAFKA__GROUP_PROTOCOL", protocol)],
     )
     .await;
+    s.note("group_protocol", json!(protocol));
     let recs = Arc::new(number(good_events(2, n, true)));
     let producer = produce_paced(
         s.stack.env.kafka.clone(),
