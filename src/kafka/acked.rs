@@ -31,8 +31,8 @@ use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, ProducerContext};
 use tokio::time::Instant;
 
-use super::clients::while_queue_full;
 use super::context::ScrubbedLogs;
+use super::queue::while_queue_full;
 
 /// How long each call of the polling thread lasts, and so how long the
 /// last handle's drop may wait for it.
