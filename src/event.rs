@@ -4,7 +4,9 @@
 //! `values` parses each of the trade's fields. A topic with a mapping
 //! (`[[mappings]]`) is read by `mapping` (its pointers walked by `pointer`,
 //! its date formats read by `dates`) into the same fields and the same
-//! checks; `sample` shows what a payload would become.
+//! checks; `replay` decodes a whole record as the worker does (a replayed
+//! dead letter under its original identity); `sample` shows what a payload
+//! would become.
 //!
 //! Money and quantities never pass through a binary float: the JSON text of
 //! a number is kept as written (`RawValue`) and parsed exactly into
@@ -382,11 +384,13 @@ mod dates;
 mod decode;
 pub mod mapping;
 mod pointer;
+mod replay;
 mod sample;
 mod values;
 
 use decode::{parse_object, payload_text, TradeFields};
 pub use mapping::{decode_mapped, Mapping, Mappings, RecordParts};
+pub use replay::{decode_record, position_text, replay_origin, H_REPLAY_OF};
 pub use sample::sample;
 
 #[cfg(test)]

@@ -32,10 +32,7 @@ pub use clients::{
     end_offsets_client, partitions, producer, reader_client, GroupConsumer, SetupError,
 };
 pub use context::{link_failure, ConsumerCtx, Producer, ScrubbedLogs};
-pub use dead_letter::{
-    decode_record, position_text, replay_origin, send_dead_letter, DeadLetter, H_REPLAY_OF,
-    OUR_HEADER_PREFIX,
-};
+pub use dead_letter::{send_dead_letter, DeadLetter, OUR_HEADER_PREFIX};
 pub use queue::enqueue;
 
 /// Header names on dead-letter records.

@@ -18,9 +18,9 @@ use super::error_chain;
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
-use crate::event::{CustomerId, Mappings, RecordParts, Reject, Source, Trade};
+use crate::event::{self, CustomerId, Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
-use crate::kafka::{self, DeadLetter};
+use crate::kafka::DeadLetter;
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
 use crate::retry::Backoff;
 use crate::throttle::Throttle;
@@ -434,7 +434,7 @@ pub fn decode_batch(batch: &[Record], mappings: &Mappings, max_bytes: usize) -> 
             headers: &r.headers,
         };
         let mapping = mappings.get(&source.topic).map(AsRef::as_ref);
-        let decoded = kafka::decode_record(parts, mapping, &source, max_bytes);
+        let decoded = event::decode_record(parts, mapping, &source, max_bytes);
         match decoded {
             Ok(trade) => {
                 d.events.push((trade, source));
