@@ -99,6 +99,7 @@ impl Pipeline {
         tokio::spawn(watch_partitions(
             group.stalls.clone(),
             kafka::end_offsets_client(&settings)?,
+            settings.timeouts.kafka_request,
             health.clone(),
             metrics.clone(),
             shutdown.clone(),
