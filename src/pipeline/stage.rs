@@ -67,6 +67,33 @@ impl Closed {
     }
 }
 
+/// What the loop tells the stage with a batch (see `Worker::handling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Handling {
+    pub cache: Cache,
+    pub partial: Partial,
+}
+
+/// The stage's cached buckets, before a batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) enum Cache {
+    /// Kept: no partition was revoked since the last batch.
+    #[default]
+    Keep,
+    /// Forgotten first: a partition was revoked since the last batch, and
+    /// another instance may now write our former customers.
+    Forget,
+}
+
+/// What a batch does with trades that would only part-fill a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Partial {
+    /// Holds them back for a later batch (see [`Held`]).
+    Hold,
+    /// Writes them, and every trade held before.
+    Write,
+}
+
 /// A trade a batch held back ([`Outcome::Held`]), with its record: its
 /// offset stays uncommitted, and a write may still dead-letter it, until a
 /// later batch writes it (docs/design.md, "Holding partial buckets under a
@@ -137,24 +164,21 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         self.held_count > 0
     }
 
-    /// Handles `batch` and hands the stage back with the result. `forget`:
-    /// a revocation happened since the last batch, so cached buckets are
-    /// forgotten first (another instance may now write our former
-    /// customers). A batch being written when it happened goes on with its
-    /// cache: every write is guarded, so a stale entry costs a conflict,
-    /// never a wrong write.
+    /// Handles `batch` and hands the stage back with the result. A batch
+    /// being written when a revocation happened goes on with its cache:
+    /// every write is guarded, so a stale entry costs a conflict, never a
+    /// wrong write; the next batch comes with [`Cache::Forget`].
     ///
     /// The trades held by earlier batches are written first, before this
-    /// batch's (each customer's order). `hold`: this batch may hold trades
-    /// back in turn (it closed under a backlog, and no revocation or
-    /// shutdown came since); the done records are then all but the held
-    /// ones'.
-    pub async fn handle(mut self, batch: Closed, forget: bool, hold: bool) -> (Self, Done) {
+    /// batch's (each customer's order). With [`Partial::Hold`] this batch
+    /// may hold trades back in turn; the done records are then all but the
+    /// held ones'.
+    pub async fn handle(mut self, batch: Closed, handling: Handling) -> (Self, Done) {
         let started = TokioInstant::now();
-        if forget {
+        if handling.cache == Cache::Forget {
             self.buckets.forget_all();
         }
-        let (mut work, hold_from) = self.with_held(batch, hold, started);
+        let (mut work, hold_from) = self.with_held(batch, handling.partial, started);
         let (outcomes, stats) = self.write_until_done(&work.events, hold_from).await;
         let mut counts = OutcomeCounts::default();
         let mut held = Vec::new();
@@ -190,10 +214,15 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     /// the others wait, unplanned, for a batch that brings their customer.
     /// A write that may not hold, or whose held trades would pass
     /// `batch.hold_trades`, takes them all and holds nothing.
-    fn with_held(&mut self, batch: Closed, hold: bool, now: TokioInstant) -> (Work, Option<usize>) {
+    fn with_held(
+        &mut self,
+        batch: Closed,
+        partial: Partial,
+        now: TokioInstant,
+    ) -> (Work, Option<usize>) {
         let limits = &self.settings.batch;
         let events = batch.decoded.events.len();
-        let hold = hold && self.held_count + events <= limits.hold_trades;
+        let hold = partial == Partial::Hold && self.held_count + events <= limits.hold_trades;
         let (taken, expired) = if hold {
             self.take_due(&batch.decoded.events, now)
         } else {
