@@ -10,7 +10,7 @@
 //!   growing batch as the loop's open batch grows;
 //! - `decode`: `pipeline::decode_batch`, what the loop calls on a closed
 //!   batch;
-//! - `plan`: the batch grouped by customer (as the writer's `Batch::new`
+//! - `plan`: the batch grouped by customer (as the writer's `Ledger::new`
 //!   does) and `plan::plan_customer_owned` against each customer's newest
 //!   bucket;
 //! - `encode`: those plans as the statements sent (`fill_statement`,
@@ -414,7 +414,7 @@ fn stage_decode(records: &[Record], max_bytes: usize) -> Decoded {
 type Heads = HashMap<CustomerId, Option<BucketHead>>;
 
 /// The writer's planning of one round, outside the writer: the batch
-/// grouped by customer as `Batch::new` groups it, each customer planned
+/// grouped by customer as `Ledger::new` groups it, each customer planned
 /// against its newest bucket, taken out of `heads` as the writer takes it
 /// out of its cache (the caller puts each plan's `after` back).
 #[inline(never)]
