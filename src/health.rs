@@ -2,12 +2,10 @@
 //! HTTP endpoints read. Its own module so that neither side depends on the
 //! other.
 //!
-//! The state is private; each writer has its own few methods, grouped
-//! below by component: the loop (`tick`, `subscribed`, `draining`,
-//! `records_skipped`), the write stage (`write_succeeded`, `write_failed`,
-//! `dead_letters_failing`), the MongoDB watcher (`mongodb_reachable`), the
-//! partition watcher (`stalled_partitions`) and librdkafka's statistics
-//! callback (`kafka_unreachable`, `group_unsettled`).
+//! The state is private. Each writer has its own few methods, in an `impl`
+//! block of its own below (the loop's, the write stage's, the watchers'
+//! and librdkafka's statistics callback's), and the endpoints read through
+//! the last one.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -14,10 +14,8 @@
 //!
 //! The last handle's drop stops the thread and waits for it (a call at
 //! most), then destroys the client: librdkafka's threads must be gone
-//! before the process exits (with 10 s calls and the thread left to end on
-//! its own, a worker of a fresh-clone chaos run ended by a signal instead
-//! of exiting 0 at its SIGTERM, once; librdkafka running into the exit
-//! was the one thing new).
+//! before the process exits, or they may run into its exit handlers and
+//! end it by a signal instead of exit 0.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -432,18 +432,10 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
 
     /// Follows the assignment. After a revocation, the stage forgets its
     /// cached buckets before its next batch: another instance may now
-    /// write our former customers.
-    ///
-    /// Records of revoked partitions, in the open batch, queued or being
-    /// written, are *kept* and written. A record librdkafka has delivered
-    /// may not be delivered again: when a partition is revoked and handed
-    /// straight back, it resumes after the last delivered record, not at
-    /// the committed offset, so dropping them would lose those trades.
-    /// Writing them is safe whoever owns the
-    /// partition now, because every write is guarded; only their commit is
-    /// left to the owner (see `commit`), and the tracker keeps them in
-    /// flight so that, handed back, the partition commits nothing past
-    /// them before they are handled.
+    /// write our former customers. Records of revoked partitions already
+    /// taken are *kept* and written, and only their commit is left to the
+    /// owner (see `commit`): a delivered record may not be delivered again
+    /// (docs/design.md, "Offsets: commit after write", on rebalances).
     fn apply_group_events(&mut self) {
         for event in self.intake.group_events() {
             match event {
