@@ -219,7 +219,7 @@ struct Wire {
 }
 
 /// `tradebucket produce`'s events (same generator, seed and options as
-/// `benches/pipeline.rs`), keyed by customer. The broker's partitioner
+/// `benches/pipeline/`), keyed by customer. The broker's partitioner
 /// (a hash of the key) is stood in for by `customer % partitions`: what
 /// counts here is that each customer stays on one partition, in order.
 struct Stream {
