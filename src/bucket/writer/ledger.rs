@@ -166,26 +166,14 @@ impl<'a> Ledger<'a> {
         &mut self,
         head_of: impl Fn(&CustomerId) -> Option<&'h BucketHead>,
     ) -> ByKey<'a> {
-        let events = self.events;
-        let mut asked = ByKey::new();
-        for (customer, idx) in &self.pending {
-            if self.loaded.contains(customer) {
-                continue;
-            }
-            let Some(head) = head_of(customer) else {
-                continue;
-            };
-            for &i in idx {
-                let key = events[i].0.key.as_str();
-                if !self.outcomes[i].is_final()
-                    && head.keys.contains(key)
-                    && self.verified_cached.insert(i)
-                {
-                    asked.entry(key).or_default().push(i);
-                }
-            }
-        }
-        asked
+        let loaded = &self.loaded;
+        let unread = |c: &CustomerId| if loaded.contains(c) { None } else { head_of(c) };
+        let holds = |head: &BucketHead, (trade, _): &(Trade, Source)| {
+            head.keys.contains(trade.key.as_str())
+        };
+        let (pending, outcomes) = (&self.pending, &*self.outcomes);
+        let asked = &mut self.verified_cached;
+        unverified(self.events, pending, outcomes, unread, holds, asked)
     }
 
     /// The pending events at or below their cached head's watermark whose
@@ -196,24 +184,12 @@ impl<'a> Ledger<'a> {
         &mut self,
         head_of: impl Fn(&CustomerId) -> Option<&'h BucketHead>,
     ) -> ByKey<'a> {
-        let events = self.events;
-        let mut asked = ByKey::new();
-        for (customer, idx) in &self.pending {
-            let Some(head) = head_of(customer) else {
-                continue;
-            };
-            for &i in idx {
-                let (trade, source) = &events[i];
-                if head.covers(source)
-                    && !self.outcomes[i].is_final()
-                    && !head.keys.contains(&trade.key)
-                    && self.verified.insert(i)
-                {
-                    asked.entry(trade.key.as_str()).or_default().push(i);
-                }
-            }
-        }
-        asked
+        let below = |head: &BucketHead, (trade, source): &(Trade, Source)| {
+            head.covers(source) && !head.keys.contains(&trade.key)
+        };
+        let (pending, outcomes) = (&self.pending, &*self.outcomes);
+        let asked = &mut self.verified;
+        unverified(self.events, pending, outcomes, head_of, below, asked)
     }
 
     /// The `(customer, key)` pairs to look up: each key with the customer
@@ -434,4 +410,29 @@ impl<'a> Ledger<'a> {
             self.isolate.insert(customer.clone(), idx.len().div_ceil(2));
         }
     }
+}
+
+/// The pending events of customers with a cached head (`head_of`) that
+/// have no outcome yet, that `wanted` picks, and that no earlier round
+/// looked up (`asked`, which records them), by key.
+fn unverified<'a, 'h>(
+    events: &'a [(Trade, Source)],
+    pending: &BTreeMap<CustomerId, Vec<usize>>,
+    outcomes: &[Outcome],
+    head_of: impl Fn(&CustomerId) -> Option<&'h BucketHead>,
+    wanted: impl Fn(&BucketHead, &(Trade, Source)) -> bool,
+    asked: &mut HashSet<usize>,
+) -> ByKey<'a> {
+    let mut by_key = ByKey::new();
+    for (customer, idx) in pending {
+        let Some(head) = head_of(customer) else {
+            continue;
+        };
+        for &i in idx {
+            if !outcomes[i].is_final() && wanted(head, &events[i]) && asked.insert(i) {
+                by_key.entry(events[i].0.key.as_str()).or_default().push(i);
+            }
+        }
+    }
+    by_key
 }
