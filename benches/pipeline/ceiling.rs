@@ -14,7 +14,7 @@ use tradebucket::bucket::store::{bucket_document, fill_statement, BucketStore};
 use tradebucket::event::{CustomerId, Trade};
 
 use crate::cpu::Cpu;
-use crate::stack::{decode_all, Msg, Target};
+use crate::target::{decode_all, Msg, Target};
 
 /// The final bucket documents, planned offline with the product's own
 /// planner after `heads`, inserted with unordered bulk inserts at the

@@ -14,7 +14,7 @@ use tradebucket::cli;
 use tradebucket::config::Settings;
 
 use crate::scrape::{gauge, histogram, quantile, stage_breakdown};
-use crate::stack::{committed_reached, end_offsets, kafka_consumer, stop, Target};
+use crate::target::{committed_reached, end_offsets, kafka_consumer, stop, Target};
 use crate::{produce_options, Args};
 
 /// Step 6: delay at the target's steady load, and at fractions of the

@@ -20,7 +20,7 @@
 //! Run through `scripts/bench`, which starts the stack, builds, runs this
 //! and renders `docs/benchmarks.md` and its chart from the JSON it writes.
 //!
-//! This file runs the steps in order; beside it, one file a job: `stack`
+//! This file runs the steps in order; beside it, one file a job: `target`
 //! (a run's target, reading its topic and offsets), `worker` (the worker
 //! runs, sampled), `ceiling` (the database ceiling), `naive` (the naive
 //! baseline), `delay` (the steady phases and sampled delays), `cpu` (CPU
@@ -43,7 +43,7 @@ use ceiling::{database_ceiling, index_keys, Heads};
 use cpu::{cpu_model, Cpu};
 use delay::delays;
 use naive::naive_baseline;
-use stack::{end_offsets, kafka_consumer, read_topic, Target};
+use target::{end_offsets, kafka_consumer, read_topic, Target};
 use worker::{run_worker, Sample, WorkerRun};
 
 mod ceiling;
@@ -51,7 +51,7 @@ mod cpu;
 mod delay;
 mod naive;
 mod scrape;
-mod stack;
+mod target;
 mod worker;
 
 #[derive(Parser, Debug)]

@@ -6,7 +6,7 @@ use mongodb::bson::{doc, Bson, Document};
 use mongodb::options::{Acknowledgment, WriteConcern};
 use secrecy::ExposeSecret;
 
-use crate::stack::{decode_all, Msg, Target};
+use crate::target::{decode_all, Msg, Target};
 
 /// The manual's way: one conditional upsert per trade, one round trip each,
 /// with an index on what the filter uses.

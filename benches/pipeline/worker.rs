@@ -16,7 +16,7 @@ use tradebucket::bucket::store::BucketStore;
 
 use crate::cpu::{Cpu, CpuSnapshot};
 use crate::scrape::{counter, write_work};
-use crate::stack::{committed_reached, end_offsets, kafka_consumer, stop, Target};
+use crate::target::{committed_reached, end_offsets, kafka_consumer, stop, Target};
 
 /// One sample of a running worker.
 #[derive(Debug, Clone)]
