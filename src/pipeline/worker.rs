@@ -271,7 +271,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
 
     /// A turn's start: liveness, the group's news, shutdown asked; then
     /// the open batch filled (or, once no records are taken, closed) and
-    /// held trades flushed when due. Whether records were taken.
+    /// held trades flushed when due. Returns whether the loop was taking
+    /// records as the turn began: the rest of the turn goes by that.
     fn turn(&mut self, shutdown: &CancellationToken) -> bool {
         self.health.tick();
         self.apply_group_events();
