@@ -117,16 +117,11 @@ impl Settings {
         }
         // The drain must end before the broker gives our partitions away,
         // or a "graceful" stop would still overlap with the next owner.
-        if self.shutdown.drain_timeout >= k.session_timeout {
-            return Err(invalid(
-                "shutdown.drain_timeout",
-                format!(
-                    "must be below kafka.session_timeout ({:?})",
-                    k.session_timeout
-                ),
-            ));
-        }
-        Ok(())
+        below(
+            ("shutdown.drain_timeout", self.shutdown.drain_timeout),
+            ("kafka.session_timeout", k.session_timeout),
+            "",
+        )
     }
 
     /// Under the `consumer` protocol the broker assigns partitions and
@@ -243,24 +238,29 @@ impl Settings {
     /// while the worker waits on a bound it set itself.
     fn validate_time_limit_order(&self) -> Result<(), ConfigError> {
         let t = &self.timeouts;
-        if t.mongodb_write_concern >= t.mongodb_operation {
-            return Err(invalid(
-                "timeouts.mongodb_write_concern",
-                format!(
-                    "must be below timeouts.mongodb_operation ({:?})",
-                    t.mongodb_operation
-                ),
-            ));
-        }
-        if t.kafka_request >= t.liveness_stall {
-            return Err(invalid(
-                "timeouts.kafka_request",
-                format!(
-                    "must be below timeouts.liveness_stall ({:?}): a synchronous commit blocks the loop up to it",
-                    t.liveness_stall
-                ),
-            ));
-        }
-        Ok(())
+        below(
+            ("timeouts.mongodb_write_concern", t.mongodb_write_concern),
+            ("timeouts.mongodb_operation", t.mongodb_operation),
+            "",
+        )?;
+        below(
+            ("timeouts.kafka_request", t.kafka_request),
+            ("timeouts.liveness_stall", t.liveness_stall),
+            ": a synchronous commit blocks the loop up to it",
+        )
     }
+}
+
+/// The setting `field` must be below the setting `bound` (each a name and
+/// its value); `why`, when the reason is not plain, ends the message.
+fn below(
+    (field, value): (&'static str, Duration),
+    (bound, limit): (&str, Duration),
+    why: &str,
+) -> Result<(), ConfigError> {
+    if value < limit {
+        return Ok(());
+    }
+    let message = format!("must be below {bound} ({limit:?}){why}");
+    Err(invalid(field, message))
 }
