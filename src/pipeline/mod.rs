@@ -38,6 +38,7 @@ use crate::event::Mappings;
 use crate::health::Health;
 use crate::kafka;
 use crate::metrics::Metrics;
+use crate::registry::Formats;
 use crate::retry::Backoff;
 
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +49,8 @@ pub enum PipelineError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Mapping(#[from] MappingError),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::ClientError),
     /// librdkafka says the consumer cannot go on (for example a static
     /// member fenced by another with its `group.instance.id`).
     #[error("fatal Kafka consumer error: {0}")]
@@ -74,6 +77,7 @@ impl Pipeline {
         }
         // Checked when the settings were loaded; compiled once, here.
         let mappings = Mappings::from_settings(&settings)?;
+        let formats = Arc::new(Formats::from_settings(&settings, metrics.clone())?);
         let store = BucketStore::connect(&settings).await?;
         if !create_indexes(&store, &settings, shutdown).await? {
             return Ok(None);
@@ -114,6 +118,7 @@ impl Pipeline {
             dead_letters,
             metrics,
             health,
+            formats,
         );
         Ok(Some(Pipeline(worker)))
     }

@@ -311,6 +311,7 @@ impl Harness {
             dead_letters,
             metrics.clone(),
             health.clone(),
+            Default::default(),
         );
         let shutdown = CancellationToken::new();
         let handle = tokio::spawn(worker.run(shutdown.clone()));

@@ -39,6 +39,7 @@ use crate::kafka::GroupEvent;
 use crate::metrics::{ConsumerErrorKind, DelayStage, Metrics, SkipReason};
 use crate::offsets::{OffsetTracker, TopicPartition};
 use crate::ratelimit::RateLimit;
+use crate::registry::Formats;
 use crate::throttle::Throttle;
 
 /// How long the loop may hold (take no records) before it pauses its
@@ -158,7 +159,9 @@ enum Wake<B, D> {
 pub(crate) struct Worker<I, B, D> {
     settings: Settings,
     /// The topics' input mappings, compiled once (`event::mapping`).
-    mappings: Mappings,
+    mappings: Arc<Mappings>,
+    /// The topics' payload formats and the Schema Registry (`registry`).
+    formats: Arc<Formats>,
     intake: I,
     phase: Phase,
     /// The write stage while idle; `None` while it writes: its future (a
@@ -205,16 +208,20 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         dead_letters: D,
         metrics: Metrics,
         health: Arc<Health>,
+        formats: Arc<Formats>,
     ) -> Self {
+        let mappings = Arc::new(mappings);
         let stage = Stage::new(
             buckets,
             dead_letters,
             settings.clone(),
             metrics.clone(),
             health.clone(),
+            (mappings.clone(), formats.clone()),
         );
         Worker {
             mappings,
+            formats,
             intake,
             stage: Some(stage),
             open: Open::default(),
@@ -442,7 +449,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
             .set(self.tracker.in_flight() as i64);
         let max_bytes = self.settings.kafka.max_message_bytes;
         let decoding = TokioInstant::now();
-        let decoded = decode_batch(&open.records, &self.mappings, max_bytes);
+        let decoded = decode_batch(&open.records, &self.mappings, &self.formats, max_bytes);
         self.observe_stage(DelayStage::Decode, decoding.elapsed());
         self.queued.push_back(Closed {
             records: open.records,
