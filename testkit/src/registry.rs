@@ -102,7 +102,11 @@ impl SchemaRegistry {
 
     /// From now on `id` is answered with `body` (200), not its schema.
     pub fn garble(&self, id: u32, body: &str) {
-        self.state.lock().unwrap().garbled.push((id, body.to_string()));
+        self.state
+            .lock()
+            .unwrap()
+            .garbled
+            .push((id, body.to_string()));
     }
 
     fn serve(&mut self, listener: tokio::net::TcpListener) {
@@ -216,7 +220,10 @@ async fn by_id_route(State(state): State<Shared>, Path(id): Path<u32>) -> Respon
     if let Some((_, body)) = inner.garbled.iter().find(|(g, _)| *g == id) {
         return (StatusCode::OK, body.clone()).into_response();
     }
-    match id.checked_sub(1).and_then(|i| inner.schemas.get(i as usize)) {
+    match id
+        .checked_sub(1)
+        .and_then(|i| inner.schemas.get(i as usize))
+    {
         Some(s) => ok(json!({"schema": s.schema, "schemaType": s.schema_type,
             "references": s.references})),
         None => not_found(40403, "Schema not found"),
@@ -239,8 +246,10 @@ async fn version_route(
         return not_found(40402, "Version not found");
     };
     let s = &inner.schemas[*id as usize - 1];
-    ok(json!({"subject": subject, "id": id, "version": index, "schema": s.schema,
-        "schemaType": s.schema_type, "references": s.references}))
+    ok(
+        json!({"subject": subject, "id": id, "version": index, "schema": s.schema,
+        "schemaType": s.schema_type, "references": s.references}),
+    )
 }
 
 /// The Python with confluent-kafka's serializers (`scripts/stack install`
@@ -268,14 +277,27 @@ fn producers_python() -> std::path::PathBuf {
 /// Produces `records` (JSON objects; decimal fields as strings) to `topic`
 /// with confluent-kafka's `AvroSerializer` under `schema`, registering it
 /// in `registry` as `<topic>-value`, as a real upstream's producer does.
-pub async fn produce_avro(brokers: &str, registry: &str, topic: &str, schema: &str, records: &[Value]) {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/produce_registry.py");
+pub async fn produce_avro(
+    brokers: &str,
+    registry: &str,
+    topic: &str,
+    schema: &str,
+    records: &[Value],
+) {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/produce_registry.py");
     let schema_file = std::env::temp_dir().join(format!("{topic}-{}.avsc", records.len()));
     std::fs::write(&schema_file, schema).expect("write the schema file");
     let input: String = records.iter().map(|r| format!("{r}\n")).collect();
     let (python, args) = (
         producers_python(),
-        [script.display().to_string(), brokers.into(), registry.into(), topic.into(), schema_file.display().to_string()],
+        [
+            script.display().to_string(),
+            brokers.into(),
+            registry.into(),
+            topic.into(),
+            schema_file.display().to_string(),
+        ],
     );
     let out = tokio::task::spawn_blocking(move || {
         use std::io::Write;
@@ -286,7 +308,12 @@ pub async fn produce_avro(brokers: &str, registry: &str, topic: &str, schema: &s
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("run the Python producer");
-        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
         child.wait_with_output().unwrap()
     })
     .await

@@ -127,7 +127,10 @@ async fn avro_and_json_topics_store_equal_trades_across_a_schema_change() {
     let settings = settings_for(
         &env,
         &registry.url(),
-        &[(&env.topic, PayloadFormat::Json), (&avro_topic, PayloadFormat::Avro)],
+        &[
+            (&env.topic, PayloadFormat::Json),
+            (&avro_topic, PayloadFormat::Avro),
+        ],
     );
     let worker = Worker::spawn(settings);
     eventually("all twelve trades stored", T, || async {
@@ -200,7 +203,11 @@ async fn a_registry_outage_holds_and_permanent_faults_are_dead_letters() {
     // dead-lettered (the bad records wait in the same batch).
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(entries(&env).await.is_empty());
-    assert!(env.committed().values().all(|&o| o <= 0), "{:?}", env.committed());
+    assert!(
+        env.committed().values().all(|&o| o <= 0),
+        "{:?}",
+        env.committed()
+    );
     assert!(env.dead_letters(1, Duration::from_secs(2)).await.is_empty());
 
     registry.restart().await;
@@ -216,12 +223,22 @@ async fn a_registry_outage_holds_and_permanent_faults_are_dead_letters() {
     kinds.sort();
     assert_eq!(
         kinds,
-        ["invalid_format", "invalid_format", "invalid_schema", "unknown_schema"]
+        [
+            "invalid_format",
+            "invalid_format",
+            "invalid_schema",
+            "unknown_schema"
+        ]
     );
     env.wait_committed_to_end(T).await;
     assert!(worker.health.readiness().is_ok());
     let metrics = worker.stop().await;
-    assert!(metrics.registry_error(tradebucket::metrics::RegistryErrorKind::Unavailable).get() >= 1);
+    assert!(
+        metrics
+            .registry_error(tradebucket::metrics::RegistryErrorKind::Unavailable)
+            .get()
+            >= 1
+    );
     // Nothing doubled: each trade once.
     assert_eq!(entries(&env).await.len(), 8);
     assert_eq!(env.dead_letters(5, Duration::from_secs(2)).await.len(), 4);

@@ -14,6 +14,8 @@ const TRADE: &str = r#"{"type":"record","name":"Trade","namespace":"t","fields":
   {"name":"currency","type":["null","string"],"default":null},
   {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}}]}"#;
 
+// The deprecated one-call writer is enough to make test bytes.
+#[allow(deprecated)]
 fn encode(schema: &AvroSchema, value: V) -> Vec<u8> {
     apache_avro::to_avro_datum(&schema.root, value).unwrap()
 }
@@ -26,7 +28,10 @@ fn trade_value(price_unscaled: &[u8]) -> V {
         ("ticker".into(), V::String("MDB".into())),
         ("qty".into(), V::Long(419)),
         ("price".into(), V::Decimal(price_unscaled.into())),
-        ("currency".into(), V::Union(1, Box::new(V::String("USD".into())))),
+        (
+            "currency".into(),
+            V::Union(1, Box::new(V::String("USD".into()))),
+        ),
         ("date".into(), V::TimestampMillis(1_698_335_223_434)),
     ])
 }
@@ -49,13 +54,20 @@ fn an_avro_trade_is_the_json_trade() {
     let from_avro = decode(Some(json.as_bytes()), &source, 1 << 20).unwrap();
     let written = r#"{"tradeId":"E-1","customerId":123,"type":"sell","ticker":"MDB","qty":419,
         "price":61.2500,"currency":"USD","date":"2023-10-26T15:47:03.434Z"}"#;
-    assert_eq!(from_avro, decode(Some(written.as_bytes()), &source, 1 << 20).unwrap());
+    assert_eq!(
+        from_avro,
+        decode(Some(written.as_bytes()), &source, 1 << 20).unwrap()
+    );
 }
 
 #[test]
 fn bytes_that_are_not_a_datum_are_invalid_format_not_a_panic() {
     let schema = AvroSchema::parse(TRADE, &[]).unwrap();
-    for bad in [&b""[..], b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x02a"] {
+    for bad in [
+        &b""[..],
+        b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",
+        b"\x02a",
+    ] {
         let e = schema.to_json(bad, 1 << 20).unwrap_err();
         assert_eq!(e.kind, RejectKind::InvalidFormat, "{e}");
     }
@@ -96,7 +108,12 @@ fn timestamps_keep_their_precision() {
 
 #[test]
 fn base64_is_standard_with_padding() {
-    for (bytes, text) in [(&b""[..], ""), (b"f", "Zg=="), (b"fo", "Zm8="), (b"foo", "Zm9v")] {
+    for (bytes, text) in [
+        (&b""[..], ""),
+        (b"f", "Zg=="),
+        (b"fo", "Zm8="),
+        (b"foo", "Zm9v"),
+    ] {
         let mut out = String::new();
         base64(&mut out, bytes);
         assert_eq!(out, text);
