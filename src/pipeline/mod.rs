@@ -112,13 +112,12 @@ impl Pipeline {
         health.tick();
         let worker = Worker::new(
             settings,
-            mappings,
+            (mappings, formats),
             intake,
             writer,
             dead_letters,
             metrics,
             health,
-            formats,
         );
         Ok(Some(Pipeline(worker)))
     }

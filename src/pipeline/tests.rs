@@ -305,13 +305,12 @@ impl Harness {
         let metrics = Metrics::new();
         let worker = Worker::new(
             settings,
-            crate::event::Mappings::default(),
+            (crate::event::Mappings::default(), Default::default()),
             intake,
             buckets,
             dead_letters,
             metrics.clone(),
             health.clone(),
-            Default::default(),
         );
         let shutdown = CancellationToken::new();
         let handle = tokio::spawn(worker.run(shutdown.clone()));

@@ -202,13 +202,12 @@ pub(crate) struct Worker<I, B, D> {
 impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     pub fn new(
         settings: Settings,
-        mappings: Mappings,
+        (mappings, formats): (Mappings, Arc<Formats>),
         intake: I,
         buckets: B,
         dead_letters: D,
         metrics: Metrics,
         health: Arc<Health>,
-        formats: Arc<Formats>,
     ) -> Self {
         let mappings = Arc::new(mappings);
         let stage = Stage::new(
