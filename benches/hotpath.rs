@@ -62,6 +62,7 @@ use tradebucket::config::Settings;
 use tradebucket::event::{CustomerId, Mappings, Source, Trade};
 use tradebucket::metrics::Metrics;
 use tradebucket::pipeline::{decode_batch, Decoded, Record};
+use tradebucket::registry::Formats;
 
 // ---------------------------------------------------------------------
 // The counting allocator: every allocation of this program passes through
@@ -408,7 +409,12 @@ fn stage_intake(topic: &str, wire: &[Wire]) -> Vec<Record> {
 
 #[inline(never)]
 fn stage_decode(records: &[Record], max_bytes: usize) -> Decoded {
-    decode_batch(records, &Mappings::default(), max_bytes)
+    decode_batch(
+        records,
+        &Mappings::default(),
+        &Formats::default(),
+        max_bytes,
+    )
 }
 
 type Heads = HashMap<CustomerId, Option<BucketHead>>;
@@ -719,7 +725,9 @@ fn decode_rounds(
     let mut meter = Meter::default();
     let mut last = None;
     for _ in 0..rounds.max(1) {
-        last = Some(meter.run(records.len(), || decode_batch(records, mappings, max_bytes)));
+        last = Some(meter.run(records.len(), || {
+            decode_batch(records, mappings, &Formats::default(), max_bytes)
+        }));
     }
     (meter, last.expect("at least one round"))
 }

@@ -58,10 +58,19 @@ pub enum RejectKind {
     TradeIdConflict,
     /// MongoDB refused the document permanently (validation, size).
     Rejected,
+    /// An Avro or Protobuf topic's record is not in the Confluent wire
+    /// format (no magic byte, a truncated header), or its bytes do not
+    /// decode by the schema they name.
+    InvalidFormat,
+    /// The schema id a record names does not exist in the registry (404).
+    UnknownSchema,
+    /// The registry's answer for the record's schema id is not a schema
+    /// this worker can read (the message names the id).
+    InvalidSchema,
 }
 
 impl RejectKind {
-    pub const ALL: [RejectKind; 10] = [
+    pub const ALL: [RejectKind; 13] = [
         RejectKind::Oversize,
         RejectKind::Empty,
         RejectKind::NotUtf8,
@@ -72,6 +81,9 @@ impl RejectKind {
         RejectKind::InvalidField,
         RejectKind::TradeIdConflict,
         RejectKind::Rejected,
+        RejectKind::InvalidFormat,
+        RejectKind::UnknownSchema,
+        RejectKind::InvalidSchema,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -86,6 +98,9 @@ impl RejectKind {
             RejectKind::InvalidField => "invalid_field",
             RejectKind::TradeIdConflict => "trade_id_conflict",
             RejectKind::Rejected => "rejected_by_database",
+            RejectKind::InvalidFormat => "invalid_format",
+            RejectKind::UnknownSchema => "unknown_schema",
+            RejectKind::InvalidSchema => "invalid_schema",
         }
     }
 }
@@ -380,10 +395,12 @@ pub fn decode_as(
     fields.into_trade(identity)
 }
 
+pub mod avro;
 mod dates;
 mod decode;
 pub mod mapping;
 mod pointer;
+pub mod protobuf;
 mod replay;
 mod sample;
 mod values;

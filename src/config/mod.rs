@@ -13,10 +13,12 @@ use secrecy::SecretString;
 use serde::{Deserialize, Deserializer, Serialize};
 
 pub mod mapping;
+pub mod registry;
 mod secret;
 mod validate;
 
 pub use mapping::{MappingError, MappingSettings};
+pub use registry::{PayloadFormat, RegistrySettings, TopicFormat};
 pub use secret::{redact_uri, Scrubber, REDACTED, SECRET_KAFKA_OPTIONS};
 
 /// The defaults, exactly as documented for operators.
@@ -65,6 +67,13 @@ pub struct Settings {
     /// a topic without one is read by the default schema.
     #[serde(default)]
     pub mappings: Vec<MappingSettings>,
+    /// Per source topic, how its payloads are encoded (`[[formats]]`); a
+    /// topic not listed is JSON.
+    #[serde(default)]
+    pub formats: Vec<TopicFormat>,
+    /// Where Avro and Protobuf topics' schemas are fetched by id.
+    #[serde(default)]
+    pub schema_registry: Option<RegistrySettings>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -439,7 +448,8 @@ impl Settings {
 
     /// Removes this configuration's secrets from a client library's text.
     pub fn scrubber(&self) -> Scrubber {
-        Scrubber::new(&self.mongodb.uri, &self.kafka.options)
+        let registry = self.schema_registry.iter().flat_map(|r| r.secrets());
+        Scrubber::new(&self.mongodb.uri, &self.kafka.options).with(registry)
     }
 }
 

@@ -32,7 +32,7 @@ pub(super) const CLASSIC_ONLY_OPTIONS: [&str; 3] = [
     "group.protocol.type",
 ];
 
-fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
+pub(super) fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field,
         message: message.into(),
@@ -47,6 +47,7 @@ impl Settings {
         self.validate_buckets_and_batch()?;
         self.validate_retry_and_timeouts()?;
         self.mapping_plans()?;
+        self.validate_formats()?;
         Ok(())
     }
 

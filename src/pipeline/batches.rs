@@ -9,6 +9,7 @@
 //! it keeps the phase, the hold and the commits.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant as TokioInstant;
@@ -19,6 +20,7 @@ use crate::config::{BatchSettings, Settings};
 use crate::event::Mappings;
 use crate::metrics::{DelayStage, Metrics};
 use crate::ratelimit::RateLimit;
+use crate::registry::Formats;
 
 /// The batch being filled.
 #[derive(Default)]
@@ -37,7 +39,9 @@ pub(super) struct Batches<B, D> {
     /// See [`Batches::flush_held`].
     idle_flush_after: Duration,
     /// The topics' input mappings, compiled once (`event::mapping`).
-    mappings: Mappings,
+    mappings: Arc<Mappings>,
+    /// The topics' payload formats and the Schema Registry (`registry`).
+    formats: Arc<Formats>,
     metrics: Metrics,
     /// The write stage while idle; `None` while it writes: its future (a
     /// local of `Worker::run`, so that its type stays concrete and `Send`
@@ -61,7 +65,7 @@ pub(super) struct Batches<B, D> {
 impl<B: BucketSink, D: DeadLetterSink> Batches<B, D> {
     pub fn new(
         settings: &Settings,
-        mappings: Mappings,
+        (mappings, formats): (Arc<Mappings>, Arc<Formats>),
         metrics: Metrics,
         stage: Stage<B, D>,
     ) -> Self {
@@ -70,6 +74,7 @@ impl<B: BucketSink, D: DeadLetterSink> Batches<B, D> {
             max_message_bytes: settings.kafka.max_message_bytes,
             idle_flush_after: idle_flush_after(settings),
             mappings,
+            formats,
             metrics,
             stage: Some(stage),
             open: Open::default(),
@@ -179,7 +184,12 @@ impl<B: BucketSink, D: DeadLetterSink> Batches<B, D> {
             .inc_by(open.records.len() as u64);
         self.metrics.in_flight_events.set(in_flight as i64);
         let decoding = TokioInstant::now();
-        let decoded = decode_batch(&open.records, &self.mappings, self.max_message_bytes);
+        let decoded = decode_batch(
+            &open.records,
+            &self.mappings,
+            &self.formats,
+            self.max_message_bytes,
+        );
         self.observe_stage(DelayStage::Decode, decoding.elapsed());
         self.queued.push_back(Closed {
             records: open.records,

@@ -32,6 +32,7 @@ use crate::event::Mappings;
 use crate::health::Health;
 use crate::kafka;
 use crate::metrics::Metrics;
+use crate::registry::Formats;
 use crate::retry::Backoff;
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +43,8 @@ pub enum PipelineError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Mapping(#[from] MappingError),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::ClientError),
     /// librdkafka says the consumer cannot go on (for example a static
     /// member fenced by another with its `group.instance.id`).
     #[error("fatal Kafka consumer error: {0}")]
@@ -68,6 +71,7 @@ impl Pipeline {
         }
         // Checked when the settings were loaded; compiled once, here.
         let mappings = Mappings::from_settings(&settings)?;
+        let formats = Arc::new(Formats::from_settings(&settings, metrics.clone())?);
         let store = BucketStore::connect(&settings).await?;
         if !create_indexes(&store, &settings, shutdown).await? {
             return Ok(None);
@@ -103,7 +107,7 @@ impl Pipeline {
         health.tick();
         let worker = Worker::new(
             settings,
-            mappings,
+            (mappings, formats),
             intake,
             writer,
             dead_letters,

@@ -18,12 +18,15 @@ use super::error_chain;
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
-use crate::event::{self, CustomerId, Mappings, RecordParts, Reject, Source, Trade};
+use crate::event::{CustomerId, Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::DeadLetter;
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
+use crate::registry::{Decode, Formats, SchemaId};
 use crate::retry::Backoff;
 use crate::throttle::Throttle;
+
+mod schemas;
 
 /// A batch's events after decoding.
 #[derive(Default)]
@@ -33,6 +36,10 @@ pub struct Decoded {
     record_of: Vec<usize>,
     /// Records to dead-letter, by batch index, with why.
     dead: Vec<(usize, Reject)>,
+    /// Avro and Protobuf records whose writer's schema is not in memory,
+    /// by batch index, with its id: the stage fetches the schemas before
+    /// it writes the batch (`schemas`).
+    pending: Vec<(usize, SchemaId)>,
 }
 
 impl Decoded {
@@ -137,6 +144,10 @@ pub(super) struct Stage<B, D> {
     held: HashMap<CustomerId, Vec<Held>, foldhash::fast::RandomState>,
     /// How many trades `held` holds.
     held_count: usize,
+    /// For the records whose schema the stage fetches: how each topic is
+    /// read, as in `decode_batch`.
+    mappings: Arc<Mappings>,
+    formats: Arc<Formats>,
 }
 
 impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
@@ -146,8 +157,11 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         settings: Settings,
         metrics: Metrics,
         health: Arc<Health>,
+        (mappings, formats): (Arc<Mappings>, Arc<Formats>),
     ) -> Self {
         Stage {
+            mappings,
+            formats,
             buckets,
             dead_letters,
             settings,
@@ -178,6 +192,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         if handling.cache == Cache::Forget {
             self.buckets.forget_all();
         }
+        let batch = self.resolve_schemas(batch).await;
         let (mut work, hold_from) = self.with_held(batch, handling.partial, started);
         let (outcomes, stats) = self.write_until_done(&work.events, hold_from).await;
         let mut counts = OutcomeCounts::default();
@@ -425,6 +440,7 @@ impl Work {
             events,
             record_of,
             dead,
+            pending: _,
         } = batch.decoded;
         let mut work = Work {
             events: Vec::with_capacity(n + events.len()),
@@ -449,11 +465,20 @@ impl Work {
 /// Decodes every record; the undecodable ones are to be dead-lettered.
 /// A topic with an input mapping is read by it (`event::mapping`); any
 /// other by the default schema, exactly as without mappings.
-pub fn decode_batch(batch: &[Record], mappings: &Mappings, max_bytes: usize) -> Decoded {
+///
+/// An Avro or Protobuf record whose schema is not in memory is left
+/// pending, for the stage to fetch its schema (see `schemas`).
+pub fn decode_batch(
+    batch: &[Record],
+    mappings: &Mappings,
+    formats: &Formats,
+    max_bytes: usize,
+) -> Decoded {
     let mut d = Decoded {
         events: Vec::with_capacity(batch.len()),
         record_of: Vec::with_capacity(batch.len()),
         dead: Vec::new(),
+        pending: Vec::new(),
     };
     for (i, r) in batch.iter().enumerate() {
         let source = r.source();
@@ -463,13 +488,13 @@ pub fn decode_batch(batch: &[Record], mappings: &Mappings, max_bytes: usize) -> 
             headers: &r.headers,
         };
         let mapping = mappings.get(&source.topic).map(AsRef::as_ref);
-        let decoded = event::decode_record(parts, mapping, &source, max_bytes);
-        match decoded {
-            Ok(trade) => {
+        match formats.decode(parts, mapping, &source, max_bytes, None) {
+            Decode::Done(Ok(trade)) => {
                 d.events.push((trade, source));
                 d.record_of.push(i);
             }
-            Err(reject) => d.dead.push((i, reject)),
+            Decode::Done(Err(reject)) => d.dead.push((i, reject)),
+            Decode::Missing(id) => d.pending.push((i, id)),
         }
     }
     d

@@ -28,6 +28,7 @@ use crate::health::{now_ms, Health};
 use crate::kafka::GroupEvent;
 use crate::metrics::{ConsumerErrorKind, DelayStage, Metrics, SkipReason};
 use crate::offsets::{OffsetTracker, TopicPartition};
+use crate::registry::Formats;
 use crate::throttle::Throttle;
 
 /// How long the loop may hold (take no records) before it pauses its
@@ -161,22 +162,24 @@ pub(crate) struct Worker<I, B, D> {
 impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     pub fn new(
         settings: Settings,
-        mappings: Mappings,
+        (mappings, formats): (Mappings, Arc<Formats>),
         intake: I,
         buckets: B,
         dead_letters: D,
         metrics: Metrics,
         health: Arc<Health>,
     ) -> Self {
+        let mappings = Arc::new(mappings);
         let stage = Stage::new(
             buckets,
             dead_letters,
             settings.clone(),
             metrics.clone(),
             health.clone(),
+            (mappings.clone(), formats.clone()),
         );
         Worker {
-            batches: Batches::new(&settings, mappings, metrics.clone(), stage),
+            batches: Batches::new(&settings, (mappings, formats), metrics.clone(), stage),
             intake,
             tracker: OffsetTracker::new(),
             assignment: BTreeSet::new(),
