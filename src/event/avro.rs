@@ -145,6 +145,17 @@ impl<'a> Writer<'a> {
         if self.scalar(value, schema)? {
             return Ok(());
         }
+        self.composite(value, schema, depth)
+    }
+
+    /// A union's branch, an array, a map or a record (`value` handled the
+    /// scalars).
+    fn composite(
+        &mut self,
+        value: &Value,
+        schema: Option<&'a Schema>,
+        depth: usize,
+    ) -> Result<(), Reject> {
         match value {
             Value::Union(i, inner) => {
                 let branch = match schema {
@@ -158,15 +169,7 @@ impl<'a> Writer<'a> {
                     Some(Schema::Array(a)) => Some(&*a.items),
                     _ => None,
                 };
-                self.out.push('[');
-                for (i, v) in items.iter().enumerate() {
-                    if i > 0 {
-                        self.out.push(',');
-                    }
-                    self.value(v, item, depth + 1)?;
-                }
-                self.out.push(']');
-                Ok(())
+                self.array(items, item, depth)
             }
             Value::Map(entries) => {
                 let item = match schema {
@@ -196,6 +199,23 @@ impl<'a> Writer<'a> {
                 "an Avro value of no known kind ({other:?})"
             ))),
         }
+    }
+
+    fn array(
+        &mut self,
+        items: &[Value],
+        item: Option<&'a Schema>,
+        depth: usize,
+    ) -> Result<(), Reject> {
+        self.out.push('[');
+        for (i, v) in items.iter().enumerate() {
+            if i > 0 {
+                self.out.push(',');
+            }
+            self.value(v, item, depth + 1)?;
+        }
+        self.out.push(']');
+        Ok(())
     }
 
     fn object<'v>(

@@ -1,5 +1,5 @@
 //! What tradebucket's integration tests (`tests/it`), chaos suite
-//! (`tests/chaos`) and benchmark (`benches/pipeline.rs`) share, so each
+//! (`tests/chaos`) and benchmark (`benches/pipeline/`) share, so each
 //! exists once:
 //!
 //! - [`event`]: the one builder of valid trade events;

@@ -158,35 +158,7 @@ async fn a_registry_outage_holds_and_permanent_faults_are_dead_letters() {
     // The test's own topic is the Avro one here (its committed offsets
     // are what `env` reads).
     let avro_topic = env.topic.clone();
-    let good: Vec<Value> = (1..=5).map(|n| avro_trade("A", n, 9, false)).collect();
-    produce_avro(&env.kafka, &registry.url(), &avro_topic, V1, &good).await;
-    // Ids 1 (V1) exists; 999 does not; id 2 answers with no schema.
-    let garbled = registry.register("other-value", "AVRO", r#""string""#);
-    registry.garble(garbled, r#"{"schema":"{\"type\":\"record\"}"}"#);
-    let with_id = |id: u32, body: &[u8]| {
-        let mut p = vec![0];
-        p.extend_from_slice(&id.to_be_bytes());
-        p.extend_from_slice(body);
-        Produced {
-            payload: Some(p),
-            ..Produced::default()
-        }
-    };
-    let bad = [
-        Produced {
-            payload: Some(br#"{"customerId":9}"#.to_vec()),
-            ..Produced::default()
-        },
-        Produced {
-            payload: Some(vec![0, 0, 1]),
-            ..Produced::default()
-        },
-        with_id(999, b"\x02"),
-        with_id(garbled, b"\x02"),
-    ];
-    produce_fast(&env.kafka, &avro_topic, &bad).await;
-    let more: Vec<Value> = (6..=8).map(|n| avro_trade("A", n, 9, false)).collect();
-    produce_avro(&env.kafka, &registry.url(), &avro_topic, V1, &more).await;
+    produce_good_and_bad(&registry, &env).await;
 
     registry.stop().await;
     let settings = settings_for(&env, &registry.url(), &[(&avro_topic, PayloadFormat::Avro)]);
@@ -242,4 +214,40 @@ async fn a_registry_outage_holds_and_permanent_faults_are_dead_letters() {
     // Nothing doubled: each trade once.
     assert_eq!(entries(&env).await.len(), 8);
     assert_eq!(env.dead_letters(5, Duration::from_secs(2)).await.len(), 4);
+}
+
+/// Eight good Avro trades (customer 9) around four bad records: no magic
+/// byte, a truncated header, a schema id the registry does not know (999)
+/// and one it answers with no schema (garbled).
+async fn produce_good_and_bad(registry: &SchemaRegistry, env: &TestEnv) {
+    let avro_topic = &env.topic;
+    let good: Vec<Value> = (1..=5).map(|n| avro_trade("A", n, 9, false)).collect();
+    produce_avro(&env.kafka, &registry.url(), avro_topic, V1, &good).await;
+    // Ids 1 (V1) exists; 999 does not; id 2 answers with no schema.
+    let garbled = registry.register("other-value", "AVRO", r#""string""#);
+    registry.garble(garbled, r#"{"schema":"{\"type\":\"record\"}"}"#);
+    let with_id = |id: u32, body: &[u8]| {
+        let mut p = vec![0];
+        p.extend_from_slice(&id.to_be_bytes());
+        p.extend_from_slice(body);
+        Produced {
+            payload: Some(p),
+            ..Produced::default()
+        }
+    };
+    let bad = [
+        Produced {
+            payload: Some(br#"{"customerId":9}"#.to_vec()),
+            ..Produced::default()
+        },
+        Produced {
+            payload: Some(vec![0, 0, 1]),
+            ..Produced::default()
+        },
+        with_id(999, b"\x02"),
+        with_id(garbled, b"\x02"),
+    ];
+    produce_fast(&env.kafka, avro_topic, &bad).await;
+    let more: Vec<Value> = (6..=8).map(|n| avro_trade("A", n, 9, false)).collect();
+    produce_avro(&env.kafka, &registry.url(), avro_topic, V1, &more).await;
 }
