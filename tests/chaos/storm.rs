@@ -50,7 +50,7 @@ use crate::harness::*;
 /// condition (`default_seeds_draw_every_condition` holds them to it).
 /// Their draws, at reduced size:
 /// - 1: ...
-const DEFAULT_SEEDS: [u64; 5] = [1, 2, 3, 8, 14];
+const DEFAULT_SEEDS: [u64; 4] = [17, 165, 201, 313];
 
 /// Session timeout of the storm's workers, and the consumer protocol's
 /// session on the test brokers (`scripts/stack`): a killed worker's
@@ -70,6 +70,20 @@ const HEAVY_CUSTOMERS: [u64; 2] = [CUSTOMERS, CUSTOMERS + 1];
 /// bucket's `capBytes` (7,864,011): a bucket opened at capacity 100 closes
 /// by size.
 const HEAVY_LEGS: usize = 29_000;
+
+/// Heavy trades come in bursts of this many for one customer, so that a
+/// bucket grows by a few large fills rather than one per batch (each fill
+/// rewrites the whole bucket, and every batch that brings one reads it).
+const HEAVY_BURST: usize = 8;
+
+/// How often the storm looks at the group's progress: its faults need not
+/// land right after a given commit, and the test process shares the two
+/// cores with the servers, the workers and the proxies it runs.
+const PROGRESS_POLL: Duration = Duration::from_millis(250);
+
+/// How far behind the workers must be before a `reconcile --to-end` while
+/// they run.
+const LAG: i64 = 100;
 
 /// When the generator's trades begin (epoch ms), 3 ms apart.
 const BASE_MS: i64 = 1_700_000_000_000;
@@ -183,16 +197,28 @@ struct Conditions {
 }
 
 fn spec(r: &mut StdRng) -> Spec {
-    Spec {
+    let mut w = Spec {
         capacity: [2, 3, 4, 10, 100][r.random_range(0..5)],
         max_events: [10, 50, 200, 1000][r.random_range(0..4)],
-        cache: r.random_bool(0.4).then(|| [1, 3, 20][r.random_range(0..3)]),
+        cache: r
+            .random_bool(0.4)
+            .then(|| [300, 1000][r.random_range(0..2)]),
         protocol: if r.random_bool(0.5) {
             Protocol::Classic
         } else {
             Protocol::Consumer
         },
+    };
+    if w.cache.is_some() {
+        // More customers in a batch than the cache holds (and in a flush
+        // of held trades, up to every customer), yet few rounds: each
+        // round of a write plans only the customers whose heads are still
+        // cached, so a write of n customers costs about n / cache rounds
+        // and n² / (2 cache) head loads (a cache of 1 took 16.9 s for one
+        // write of 200 customers).
+        w.max_events = 1000;
     }
+    w
 }
 
 fn fault(r: &mut StdRng) -> Fault {
@@ -229,7 +255,7 @@ impl Conditions {
         let hot = r.random_bool(0.7);
         let no_id = [0.0, 0.3, 1.0][r.random_range(0..3)];
         let heavy = if r.random_bool(0.35) {
-            pick(80, 400)
+            pick(64, 400)
         } else {
             0
         };
@@ -445,7 +471,7 @@ impl Storm {
     /// faults land mid-stream.
     async fn wait_for_progress(&mut self, s: &Scenario, total: usize) {
         let target = (total as f64 * self.rng.random_range(0.05..0.4)) as i64;
-        poll_until(Duration::from_secs(120), POLL, || async {
+        poll_until(Duration::from_secs(120), PROGRESS_POLL, || async {
             s.stack.committed_total() >= target
         })
         .await;
@@ -511,6 +537,10 @@ impl Storm {
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(500..3000))).await;
             specs
         } else {
+            if to_end {
+                // While the workers lag: right after a chunk arrived.
+                wait_for_lag(s).await;
+            }
             Vec::new()
         };
         let mut args = vec!["reconcile", "--json", "--rate", "0", "--replay-missing"];
@@ -571,9 +601,11 @@ impl Storm {
     async fn replay_every_dead_letter(&mut self, s: &mut Scenario) {
         let end = s.stack.end_offsets();
         let stack = &s.stack;
-        poll_until(Duration::from_secs(pick(240, 1200)), POLL, || async {
-            stack.committed().as_ref() == Some(&end)
-        })
+        poll_until(
+            Duration::from_secs(pick(240, 1200)),
+            PROGRESS_POLL,
+            || async { stack.committed().as_ref() == Some(&end) },
+        )
         .await;
         let (code, out, err) = cli(s, &["dlq", "replay", "--all", "--rate", "0"]).await;
         s.fault(format!("dlq replay --all exited {code:?}: {}", out.trim()));
@@ -582,6 +614,16 @@ impl Storm {
                 .push(format!("dlq replay --all exited {code:?}: {out} {err}"));
         }
     }
+}
+
+/// Until the group is at least [`LAG`] records behind the end of the
+/// topic (at most 30 s: the workers may have caught up for good).
+async fn wait_for_lag(s: &Scenario) {
+    poll_until(Duration::from_secs(30), PROGRESS_POLL, || async {
+        let end: i64 = s.stack.end_offsets().values().sum();
+        end - s.stack.committed_total() >= LAG
+    })
+    .await;
 }
 
 /// The binary's command `args` with the scenario's settings (servers
@@ -693,14 +735,15 @@ fn goods(c: &Conditions, rng: &mut StdRng) -> Vec<Rec> {
         no_keys: true,
         first_id: 0,
     };
-    let every = c.events.checked_div(c.heavy).unwrap_or(0);
+    // Bursts spread evenly over the stream, the customers taking turns.
+    let every = c.events.checked_div(c.heavy / HEAVY_BURST).unwrap_or(0);
     (0..c.events)
         .map(|i| {
             let (json, customer) = synthetic_event(rng, i as u64, &opts, BASE_MS);
             let mut v: Value = serde_json::from_str(&json).unwrap();
             let mut customer = customer;
             v["ref"] = Value::from(i as u64);
-            let heavy = every > 0 && i % every == every / 2;
+            let heavy = every > 0 && i % every < HEAVY_BURST;
             if heavy {
                 let id = HEAVY_CUSTOMERS[(i / every) % HEAVY_CUSTOMERS.len()];
                 customer = id.to_string();

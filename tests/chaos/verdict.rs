@@ -614,6 +614,7 @@ impl Scenario {
     ) {
         assert_eq!(recs.len(), placed.len(), "every record was produced");
         let settled = self.settle(workers).await;
+        self.step("workers stopped");
         self.check_logs();
         let buckets = self.stack.env.buckets().await;
         let (replayed, topic) = if self.by_ref {
@@ -628,10 +629,14 @@ impl Scenario {
         if let Some(capacities) = self.chains.clone() {
             self.check_chains(&buckets, &capacities);
         }
+        self.step("trades checked");
         let audit = audit_binary(&self.vars);
+        self.step("audit");
         let dead = check_dead_letters(&self.stack.env, recs, placed, self.refused_ticker);
+        self.step("dead letters checked");
         if self.reconcile {
             self.reconcile_binary(&dead.refused_positions);
+            self.step("reconcile");
         }
         let report = self.report(recs, &settled, &trades, &audit, &dead);
         self.write_report(&report);
@@ -652,6 +657,11 @@ impl Scenario {
         })
         .await;
         let seconds_until_committed_to_end = self.started.elapsed().as_secs_f64();
+        self.step(if reached {
+            "committed to the end"
+        } else {
+            "not committed to the end in time"
+        });
         for mut w in workers {
             // Every worker handed over was meant to be running: one that
             // ended by itself (a panic, a fatal error) is a failure even if
@@ -671,6 +681,15 @@ impl Scenario {
             committed,
             committed_to_end,
         }
+    }
+
+    /// Says on stderr that the verdict is through `what`, and when.
+    fn step(&self, what: &str) {
+        eprintln!(
+            "[{} +{:.1}s] verdict: {what}",
+            self.name,
+            self.started.elapsed().as_secs_f64()
+        );
     }
 
     /// The test's own check of every chain (`chains.rs`): its figures go
