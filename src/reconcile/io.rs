@@ -141,13 +141,18 @@ pub async fn run_with(
     store: BucketStore,
     progress: bool,
 ) -> Result<Report, ReconcileError> {
+    // The worker's own group: its committed offsets are read, never
+    // written; the client joins nothing. Read before the dead letters: a
+    // worker commits past a bad record only once its dead letter is
+    // acknowledged, so every record below these offsets has its dead
+    // letter in what is read next. Read after them, a bad record whose
+    // dead letter came in between (a worker catching up as reconcile
+    // starts) was reported missing.
+    let client = kafka::reader_client(settings, &settings.kafka.group_id)?;
+    let spans = spans(&client, settings, opts)?;
     let dead_letter_topics = dlq_io::default_topics(settings);
     let mut ledger = Ledger::new(dead_letter_sources(settings, &dead_letter_topics, opts)?)
         .sharded(settings.mongodb.sharded);
-    // The worker's own group: its committed offsets are read, never
-    // written; the client joins nothing.
-    let client = kafka::reader_client(settings, &settings.kafka.group_id)?;
-    let spans = spans(&client, settings, opts)?;
     let total: i64 = spans.iter().map(|s| s.to - s.from).sum();
     if let Some(why) = store.collection_conflict().await? {
         return Err(ReconcileError::Collection(why));

@@ -512,6 +512,49 @@ impl TestEnv {
         out
     }
 
+    /// Every record of the source topic, each partition from its start to
+    /// the end it had when asked (assigned, not subscribed), in partition
+    /// order: what the test produced and whatever the product's tools put
+    /// back (replays).
+    pub fn records_to_end(&self) -> Vec<OwnedMessage> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.kafka)
+            .set("group.id", unique("source-audit"))
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("consumer");
+        let mut out = Vec::new();
+        for p in 0..self.partitions {
+            let (low, high) = consumer
+                .fetch_watermarks(&self.topic, p, Duration::from_secs(10))
+                .expect("source watermarks");
+            if high <= low {
+                continue;
+            }
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(&self.topic, p, Offset::Offset(low))
+                .unwrap();
+            consumer.assign(&tpl).expect("assign");
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            let mut reached = false;
+            while !reached {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "partition {p} of the source topic not read to {high} in 120 s"
+                );
+                match consumer.poll(Duration::from_millis(200)) {
+                    Some(Ok(m)) => {
+                        reached = m.offset() + 1 >= high;
+                        out.push(m.detach());
+                    }
+                    Some(Err(e)) => panic!("reading the source topic: {e}"),
+                    None => {}
+                }
+            }
+        }
+        out
+    }
+
     /// `tradebucket audit`'s checks over this test's database, run in this
     /// process with the given bucket capacity.
     pub async fn audit(&self, capacity: u32) -> AuditReport {

@@ -5,7 +5,7 @@
 //! verdict at the end is in `verdict.rs`; servers, processes and polling
 //! come from the test kit.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -594,6 +594,18 @@ pub struct Scenario {
     /// Also run `tradebucket reconcile` at the end: every record the group
     /// committed past must be accounted for (the storm).
     pub reconcile: bool,
+    /// Count trades by the `ref` each good record carries in its payload
+    /// (an id of the test's own, stored with the trade as an extra field)
+    /// rather than by the product's key, and check each stored entry's
+    /// product key is the one its first record gives it (the storm).
+    pub by_ref: bool,
+    /// Check every customer's chain of buckets in the test too
+    /// (`chains.rs`), against these capacities (those the workers had).
+    pub chains: Option<BTreeSet<u32>>,
+    /// MongoDB refuses (or refused for a while) trades of this ticker:
+    /// their dead letters are expected, and their trades still stored
+    /// once (replayed).
+    pub refused_ticker: Option<&'static str>,
 }
 
 impl Scenario {
@@ -628,6 +640,9 @@ impl Scenario {
             notes: serde_json::Map::new(),
             dead_letters_at_least_once: false,
             reconcile: false,
+            by_ref: false,
+            chains: None,
+            refused_ticker: None,
         }
     }
 

@@ -11,6 +11,7 @@
 //! own servers, but six servers and several workers on two cores at once
 //! would measure the machine, not the product.
 
+mod chains;
 mod cluster;
 mod fuzz;
 mod harness;

@@ -4,9 +4,10 @@
 //! order: settle, check the trades, audit, check the dead letters, report,
 //! assert.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
+use mongodb::bson::{Bson, Document};
 use rdkafka::message::{Message, OwnedMessage};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -14,38 +15,128 @@ use sha2::{Digest, Sha256};
 use testkit::{audit_json, header, headers_of, poll_until, Produced, TestEnv, WorkerProcess};
 use tradebucket::kafka::headers::Header;
 
+use crate::chains;
 use crate::harness::*;
 
-/// Per expected trade key: its customer and source (partition, offset),
-/// or no source when its copies went to several partitions (an unkeyed
-/// upstream that sent it again): any copy may be the one stored, so its
-/// place in a partition's order is not defined.
-type Expected = HashMap<String, (String, Option<(i32, i64)>)>;
+/// Per expected trade (its product key, or in the storm its `ref`): its
+/// customer, the product key its stored entry must have (checked only when
+/// trades are counted by `ref`), and its source (partition, offset), or no
+/// source when its copies went to several partitions (an unkeyed upstream
+/// that sent it again) or were replayed: any copy may be the one stored,
+/// so its place in a partition's order is not defined.
+type Expected = HashMap<String, Wanted>;
+
+#[derive(Debug, Clone)]
+struct Wanted {
+    customer: String,
+    key: Option<String>,
+    source: Option<(i32, i64)>,
+}
+
+/// The product key a good record's trade is stored under, from what the
+/// test sent (README.md, "Input"): `t:<tradeId>`, or without one the
+/// position it was produced at, `o:<topic>/<partition>/<offset>` (a replay
+/// of it keeps that: docs/design.md, "Replayed dead letters").
+fn product_key(r: &Rec, topic: &str, (p, o): (i32, i64)) -> Option<String> {
+    let payload = r.msg.payload.as_deref()?;
+    let v: Value = serde_json::from_slice(payload).ok()?;
+    Some(match v.get("tradeId").and_then(Value::as_str) {
+        Some(id) => format!("t:{id}"),
+        None => format!("o:{topic}/{p}/{o}"),
+    })
+}
 
 /// The trade identity and source position of every record expected in
-/// MongoDB (first occurrence of each good trade).
-fn expected(recs: &[Rec], placed: &[(i32, i64)]) -> Expected {
+/// MongoDB (first occurrence of each good trade). `replayed`: positions of
+/// records something put back on the topic (their replays are copies on
+/// other partitions). `topic`: with it, the product key of each is
+/// expected too (trades counted by `ref`).
+fn expected(
+    recs: &[Rec],
+    placed: &[(i32, i64)],
+    replayed: &HashSet<(i32, i64)>,
+    topic: Option<&str>,
+) -> Expected {
     let mut out: Expected = HashMap::new();
     let mut partitions: HashMap<&str, HashSet<i32>> = HashMap::new();
     for (r, &(p, o)) in recs.iter().zip(placed) {
-        match &r.class {
+        let key = match &r.class {
             Class::Good { key, customer } => {
-                out.entry(key.clone())
-                    .or_insert((customer.clone(), Some((p, o))));
-                partitions.entry(key).or_default().insert(p);
+                out.entry(key.clone()).or_insert_with(|| Wanted {
+                    customer: customer.clone(),
+                    key: topic.and_then(|t| product_key(r, t, (p, o))),
+                    source: Some((p, o)),
+                });
+                key
             }
-            Class::Duplicate { key } => {
-                partitions.entry(key).or_default().insert(p);
-            }
-            Class::Bad { .. } => {}
+            Class::Duplicate { key } => key,
+            Class::Bad { .. } => continue,
+        };
+        let seen = partitions.entry(key).or_default();
+        seen.insert(p);
+        if replayed.contains(&(p, o)) {
+            seen.insert(-1);
         }
     }
     for (key, _) in partitions.into_iter().filter(|(_, s)| s.len() > 1) {
         if let Some(e) = out.get_mut(key) {
-            e.1 = None;
+            e.source = None;
         }
     }
     out
+}
+
+/// What one history entry is to the oracle: its identity (the product key,
+/// or `ref:<n>` when trades are counted by `ref`) and its product key.
+#[derive(Debug, Clone)]
+struct Entry {
+    id: String,
+    key: String,
+}
+
+/// Per customer (the `_id` prefix), its entries in page order.
+fn stored(buckets: &[Document], by_ref: bool) -> BTreeMap<String, Vec<Entry>> {
+    let mut out: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
+    for b in buckets {
+        let id = b.get_str("_id").unwrap_or_default();
+        let customer = id.split('_').next().unwrap_or_default().to_string();
+        for h in b.get_array("history").into_iter().flatten() {
+            let Some(h) = h.as_document() else { continue };
+            let key = h.get_str("key").unwrap_or("<no key>").to_string();
+            let id = if by_ref {
+                match h.get("ref") {
+                    Some(Bson::Int32(n)) => format!("ref:{n}"),
+                    Some(Bson::Int64(n)) => format!("ref:{n}"),
+                    other => format!("no ref ({key}, ref {other:?})"),
+                }
+            } else {
+                key.clone()
+            };
+            out.entry(customer.clone())
+                .or_default()
+                .push(Entry { id, key });
+        }
+    }
+    out
+}
+
+/// Where the records put back on the source topic (`dlq replay`,
+/// `reconcile --replay-missing`) say they were first read
+/// (`tradebucket.replay.of`).
+fn replayed_positions(env: &TestEnv) -> HashSet<(i32, i64)> {
+    env.records_to_end()
+        .iter()
+        .filter_map(|m| header(m, "tradebucket.replay.of"))
+        .filter_map(|origin| origin_position(&origin))
+        .collect()
+}
+
+/// `<topic>/<partition>/<offset>` read back.
+fn origin_position(origin: &str) -> Option<(i32, i64)> {
+    let mut parts = origin.rsplitn(3, '/');
+    let offset = parts.next()?.parse().ok()?;
+    let partition = parts.next()?.parse().ok()?;
+    Some((partition, offset))
 }
 
 /// Commit after write: after a crash, every event below the group's
@@ -103,8 +194,12 @@ pub fn audit_binary(vars: &BTreeMap<String, String>) -> (Option<i32>, BTreeMap<S
 
 impl Scenario {
     /// `tradebucket reconcile --json`: its totals go in the report's notes;
-    /// an exit other than 0 or any problem is a failure.
-    fn reconcile_binary(&mut self) {
+    /// an exit other than 0 or any problem is a failure, except
+    /// `dead_lettered_and_stored` at `refused` positions: a trade MongoDB
+    /// refused, dead-lettered, and stored once the refusal was lifted (by
+    /// `dlq replay`, or redelivered), which is what reconcile says of it
+    /// (docs/operations.md: "harmless for the data").
+    fn reconcile_binary(&mut self, refused: &HashSet<(i32, i64)>) {
         let out = std::process::Command::new(bin())
             .args(["reconcile", "--json", "--rate", "0"])
             .envs(&self.vars)
@@ -114,11 +209,30 @@ impl Scenario {
         let total = report.get("total").cloned().unwrap_or_default();
         self.notes.insert("reconcile".into(), total.clone());
         let problems = total.get("problems").and_then(Value::as_u64);
-        if out.status.code() != Some(0) || problems != Some(0) {
-            let listed = report.get("problems").cloned().unwrap_or_default();
+        let listed = report
+            .get("problems")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let (accepted, other): (Vec<Value>, Vec<Value>) = listed.into_iter().partition(|p| {
+            let at = p["partition"]
+                .as_i64()
+                .and_then(|p| i32::try_from(p).ok())
+                .zip(p["offset"].as_i64());
+            p["kind"] == "dead_lettered_and_stored" && at.is_some_and(|at| refused.contains(&at))
+        });
+        self.notes.insert(
+            "reconcile_dead_lettered_and_stored_after_refusal".into(),
+            json!(accepted.len()),
+        );
+        let clean = problems == Some(accepted.len() as u64);
+        let exit_ok = out.status.code() == Some(if accepted.is_empty() { 0 } else { 1 });
+        if !clean || !exit_ok {
             self.failures.push(format!(
-                "reconcile exited {:?} with problems {problems:?}: {listed} {}",
+                "reconcile exited {:?} with problems {problems:?} ({} after a refusal): {} {}",
                 out.status.code(),
+                accepted.len(),
+                Value::Array(other),
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
@@ -142,40 +256,51 @@ struct Trades {
     duplicated: usize,
     unexpected: Vec<String>,
     order_violations: Vec<String>,
+    /// Stored under another product key than the one its record gives it.
+    wrong_keys: Vec<String>,
 }
 
-/// Every stored key against `expect`: unknown or misplaced keys, partition
-/// order within each customer, lost and duplicated trades.
-fn check_trades(histories: &BTreeMap<String, Vec<String>>, expect: &Expected) -> Trades {
+/// Every stored entry against `expect`: unknown or misplaced trades, their
+/// product keys, partition order within each customer, lost and duplicated
+/// trades.
+fn check_trades(histories: &BTreeMap<String, Vec<Entry>>, expect: &Expected) -> Trades {
     let mut t = Trades {
         expected: expect.len(),
         customers: expect
             .values()
-            .map(|(c, _)| c)
+            .map(|w| &w.customer)
             .collect::<HashSet<_>>()
             .len(),
         ..Trades::default()
     };
     let mut seen: HashMap<&str, usize> = HashMap::new();
-    for (customer, keys) in histories {
+    for (customer, entries) in histories {
         let mut last: BTreeMap<i32, i64> = BTreeMap::new();
-        for k in keys {
+        for e in entries {
             t.stored += 1;
-            *seen.entry(k.as_str()).or_default() += 1;
-            match expect.get(k) {
-                None => t.unexpected.push(format!("{customer}: {k}")),
-                Some((c, _)) if c != customer => {
-                    t.unexpected.push(format!("{customer}: {k} belongs to {c}"))
-                }
-                Some((_, None)) => {}
-                Some(&(_, Some((p, o)))) => {
-                    // Within a customer, each source partition's events
-                    // keep their order.
-                    if let Some(prev) = last.insert(p, o) {
-                        if prev >= o {
-                            t.order_violations
-                                .push(format!("{customer}: partition {p} offset {o} after {prev}"));
-                        }
+            *seen.entry(e.id.as_str()).or_default() += 1;
+            let Some(want) = expect.get(&e.id) else {
+                t.unexpected.push(format!("{customer}: {}", e.id));
+                continue;
+            };
+            if &want.customer != customer {
+                t.unexpected
+                    .push(format!("{customer}: {} belongs to {}", e.id, want.customer));
+                continue;
+            }
+            if want.key.as_ref().is_some_and(|k| k != &e.key) {
+                t.wrong_keys.push(format!(
+                    "{customer}: {} stored as {}, not {:?}",
+                    e.id, e.key, want.key
+                ));
+            }
+            // Within a customer, each source partition's events keep
+            // their order.
+            if let Some((p, o)) = want.source {
+                if let Some(prev) = last.insert(p, o) {
+                    if prev >= o {
+                        t.order_violations
+                            .push(format!("{customer}: partition {p} offset {o} after {prev}"));
                     }
                 }
             }
@@ -204,11 +329,31 @@ struct DeadLetters {
     poisons: BTreeMap<&'static str, usize>,
     /// Dead letters in the shortened form: (expected, actual).
     shortened: (usize, usize),
+    /// Good records refused by MongoDB (`rejected_by_database`) while the
+    /// scenario had it refuse their ticker, each counted once.
+    refused: usize,
+    /// Where those dead letters say their records were read: their
+    /// source, and for a replay, its first position.
+    refused_positions: HashSet<(i32, i64)>,
+}
+
+/// The `ticker` a record's payload names, if it is JSON with one.
+fn ticker_of(r: &Rec) -> Option<String> {
+    let v: Value = serde_json::from_slice(r.msg.payload.as_deref()?).ok()?;
+    v.get("ticker")?.as_str().map(str::to_string)
 }
 
 /// Exactly the bad events, each once, with the original key, payload and
-/// headers (or their shortened form) and the error/source headers.
-fn check_dead_letters(env: &TestEnv, recs: &[Rec], placed: &[(i32, i64)]) -> DeadLetters {
+/// headers (or their shortened form) and the error/source headers. A dead
+/// letter of a replay (`tradebucket.replay.of`) is its first record's.
+/// `refused`: MongoDB refused trades of this ticker for a while, so their
+/// records' dead letters (`rejected_by_database`) are expected too.
+fn check_dead_letters(
+    env: &TestEnv,
+    recs: &[Rec],
+    placed: &[(i32, i64)],
+    refused: Option<&str>,
+) -> DeadLetters {
     let by_pos: HashMap<(i32, i64), usize> =
         placed.iter().enumerate().map(|(i, &po)| (po, i)).collect();
     let mut d = DeadLetters::default();
@@ -228,22 +373,46 @@ fn check_dead_letters(env: &TestEnv, recs: &[Rec], placed: &[(i32, i64)]) -> Dea
     }
     let dl = env.dead_letters_to_end();
     let mut found: HashSet<usize> = HashSet::new();
+    let mut refusals: HashSet<usize> = HashSet::new();
     for m in &dl {
         let kind = header(m, "tradebucket.error.kind").unwrap_or_default();
         d.kinds.entry(kind.clone()).or_default().1 += 1;
         d.shortened.1 += usize::from(header(m, "tradebucket.shortened").is_some());
-        let pos = header(m, "tradebucket.source.partition")
+        let source = header(m, "tradebucket.source.partition")
             .and_then(|p| p.parse::<i32>().ok())
             .zip(header(m, "tradebucket.source.offset").and_then(|o| o.parse::<i64>().ok()));
+        let origin = header(m, "tradebucket.replay.of").and_then(|o| origin_position(&o));
+        let pos = origin.or(source);
         let Some(&i) = pos.and_then(|po| by_pos.get(&po)) else {
             d.wrong
                 .push(format!("dead letter for an unknown position {pos:?}"));
             continue;
         };
+        let r = &recs[i];
+        let good = matches!(r.class, Class::Good { .. } | Class::Duplicate { .. });
+        if good
+            && kind == "rejected_by_database"
+            && refused.is_some()
+            && ticker_of(r).as_deref() == refused
+        {
+            d.refused_positions.extend(source.into_iter().chain(origin));
+            if refusals.insert(i) {
+                let want = Want {
+                    kind: "rejected_by_database",
+                    shortened: false,
+                    topic: &env.topic,
+                };
+                let problems = dead_letter_problems(m, r, &want);
+                if !problems.is_empty() {
+                    d.wrong
+                        .push(format!("record {i} (refused): {}", problems.join(", ")));
+                }
+            }
+            continue;
+        }
         if !found.insert(i) {
             continue;
         }
-        let r = &recs[i];
         let Class::Bad {
             kind: want,
             poison,
@@ -271,6 +440,7 @@ fn check_dead_letters(env: &TestEnv, recs: &[Rec], placed: &[(i32, i64)]) -> Dea
     d.actual = dl.len();
     d.distinct = found.len();
     d.missing = bad_expected.difference(&found).copied().collect();
+    d.refused = refusals.len();
     d
 }
 
@@ -444,13 +614,30 @@ impl Scenario {
     ) {
         assert_eq!(recs.len(), placed.len(), "every record was produced");
         let settled = self.settle(workers).await;
+        self.step("workers stopped");
         self.check_logs();
-        let trades = check_trades(&self.stack.env.histories().await, &expected(recs, placed));
-        let audit = audit_binary(&self.vars);
-        if self.reconcile {
-            self.reconcile_binary();
+        let buckets = self.stack.env.buckets().await;
+        let (replayed, topic) = if self.by_ref {
+            let topic = Some(self.stack.env.topic.as_str());
+            (replayed_positions(&self.stack.env), topic)
+        } else {
+            (HashSet::new(), None)
+        };
+        let expect = expected(recs, placed, &replayed, topic);
+        let trades = check_trades(&stored(&buckets, self.by_ref), &expect);
+        self.note("records_replayed", json!(replayed.len()));
+        if let Some(capacities) = self.chains.clone() {
+            self.check_chains(&buckets, &capacities);
         }
-        let dead = check_dead_letters(&self.stack.env, recs, placed);
+        self.step("trades checked");
+        let audit = audit_binary(&self.vars);
+        self.step("audit");
+        let dead = check_dead_letters(&self.stack.env, recs, placed, self.refused_ticker);
+        self.step("dead letters checked");
+        if self.reconcile {
+            self.reconcile_binary(&dead.refused_positions);
+            self.step("reconcile");
+        }
         let report = self.report(recs, &settled, &trades, &audit, &dead);
         self.write_report(&report);
         print_samples(&trades, &dead);
@@ -470,6 +657,11 @@ impl Scenario {
         })
         .await;
         let seconds_until_committed_to_end = self.started.elapsed().as_secs_f64();
+        self.step(if reached {
+            "committed to the end"
+        } else {
+            "not committed to the end in time"
+        });
         for mut w in workers {
             // Every worker handed over was meant to be running: one that
             // ended by itself (a panic, a fatal error) is a failure even if
@@ -488,6 +680,36 @@ impl Scenario {
             seconds_until_committed_to_end,
             committed,
             committed_to_end,
+        }
+    }
+
+    /// Says on stderr that the verdict is through `what`, and when.
+    fn step(&self, what: &str) {
+        eprintln!(
+            "[{} +{:.1}s] verdict: {what}",
+            self.name,
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+
+    /// The test's own check of every chain (`chains.rs`): its figures go
+    /// in the notes, each violation is a failure.
+    fn check_chains(&mut self, buckets: &[Document], capacities: &BTreeSet<u32>) {
+        let c = chains::check(buckets, capacities);
+        self.note(
+            "chains",
+            json!({
+                "customers": c.customers,
+                "buckets": c.buckets,
+                "closed_by_count": c.closed_by_count,
+                "closed_by_size": c.closed_by_size,
+                "buckets_per_cap": c.caps,
+                "violations": c.violations.len(),
+            }),
+        );
+        for v in c.violations.iter().take(20) {
+            eprintln!("chain violation: {v}");
+            self.failures.push(format!("chain: {v}"));
         }
     }
 
@@ -541,10 +763,12 @@ impl Scenario {
             "lost": trades.lost.len(),
             "duplicated": trades.duplicated,
             "unexpected": trades.unexpected.len(),
+            "wrong_keys": trades.wrong_keys.len(),
             "order_violations": trades.order_violations.len(),
             "dead_letters_expected": dead.expected,
             "dead_letters_actual": dead.actual,
             "dead_letters_distinct": dead.distinct,
+            "trades_refused_dead_lettered": dead.refused,
             "dead_letters_missing": dead.missing.len(),
             "dead_letters_wrong": dead.wrong.len(),
             "dead_letter_kinds_expected_actual": dead.kinds,
@@ -588,6 +812,10 @@ impl Scenario {
             "trades stored that should not be"
         );
         assert!(trades.order_violations.is_empty(), "partition order broken");
+        assert!(
+            trades.wrong_keys.is_empty(),
+            "trades stored under a wrong key"
+        );
         assert_eq!(trades.stored, trades.expected);
         let (audit_code, numbers) = audit;
         assert_eq!(*audit_code, Some(0), "tradebucket audit exits 0");
@@ -632,6 +860,7 @@ fn print_samples(trades: &Trades, dead: &DeadLetters) {
         ("lost", &trades.lost),
         ("unexpected", &trades.unexpected),
         ("out of order", &trades.order_violations),
+        ("wrong key", &trades.wrong_keys),
         ("dead letters wrong", &dead.wrong),
         ("dead letters missing", &missing),
     ] {
