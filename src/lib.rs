@@ -21,6 +21,9 @@
 //!   committed past, checked against MongoDB and the dead letters.
 //! - [`cli`]: the operator commands besides `run` (init, page, audit,
 //!   produce, check-config).
+//! - [`registry`]: Avro and Protobuf payloads read through a Schema
+//!   Registry, and each topic's payload format.
+//! - [`errors`]: an error and its causes told in one line.
 //! - [`allocator`]: the settings of mimalloc, the binary's allocator.
 //!
 //! `docs/design.md` explains why the guarantees hold.
@@ -30,6 +33,7 @@ pub mod bucket;
 pub mod cli;
 pub mod config;
 pub mod dlq;
+pub mod errors;
 pub mod event;
 pub mod health;
 pub mod http;

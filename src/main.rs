@@ -192,8 +192,8 @@ async fn run() -> ExitCode {
     match execute(args.command, settings).await {
         Ok(code) => code,
         Err(e) => {
-            tracing::error!(error = %pipeline::error_chain(e.as_ref()), "failed");
-            eprintln!("tradebucket: {}", pipeline::error_chain(e.as_ref()));
+            tracing::error!(error = %tradebucket::errors::error_chain(e.as_ref()), "failed");
+            eprintln!("tradebucket: {}", tradebucket::errors::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -28,6 +28,7 @@ use worker::Worker;
 use crate::bucket::store::{BucketStore, InitError, StoreError};
 use crate::bucket::writer::BucketWriter;
 use crate::config::{MappingError, OffsetReset, Settings};
+use crate::errors::error_chain;
 use crate::event::Mappings;
 use crate::health::Health;
 use crate::kafka;
@@ -146,18 +147,6 @@ async fn create_indexes(
             _ = tokio::time::sleep(wait) => {}
         }
     }
-}
-
-/// "outer: inner: innermost", for logs.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 /// Runs the worker with its HTTP endpoints until `shutdown`.

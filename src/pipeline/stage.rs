@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use tokio::time::Instant as TokioInstant;
 
-use super::error_chain;
+use crate::errors::error_chain;
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;

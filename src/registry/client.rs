@@ -194,7 +194,7 @@ impl Client {
         let response = request
             .send()
             .await
-            .map_err(|e| unavailable(&crate::pipeline::error_chain(&e)))?;
+            .map_err(|e| unavailable(&crate::errors::error_chain(&e)))?;
         let status = response.status();
         if status == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -205,7 +205,7 @@ impl Client {
         let body = response
             .bytes()
             .await
-            .map_err(|e| unavailable(&crate::pipeline::error_chain(&e)))?;
+            .map_err(|e| unavailable(&crate::errors::error_chain(&e)))?;
         serde_json::from_slice::<SchemaAnswer>(&body)
             .map(Some)
             .map_err(|e| FetchError::Invalid {
