@@ -193,7 +193,10 @@ async fn run() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             tracing::error!(error = %tradebucket::errors::error_chain(e.as_ref()), "failed");
-            eprintln!("tradebucket: {}", tradebucket::errors::error_chain(e.as_ref()));
+            eprintln!(
+                "tradebucket: {}",
+                tradebucket::errors::error_chain(e.as_ref())
+            );
             ExitCode::FAILURE
         }
     }

@@ -14,10 +14,10 @@ use std::time::Instant;
 
 use tokio::time::Instant as TokioInstant;
 
-use crate::errors::error_chain;
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
 use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
+use crate::errors::error_chain;
 use crate::event::{CustomerId, Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::DeadLetter;

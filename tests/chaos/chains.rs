@@ -134,21 +134,7 @@ fn read<'a>(
     keys: &mut HashSet<String>,
     out: &mut Chains,
 ) -> Option<Bucket<'a>> {
-    let Ok(id) = d.get_str("_id") else {
-        out.violation(format!(
-            "a bucket whose _id is not text: {:?}",
-            d.get("_id")
-        ));
-        return None;
-    };
-    let Some((customer, rest)) = id.split_once('_') else {
-        out.violation(format!("{id}: no '_' in the _id"));
-        return None;
-    };
-    let Some(position) = position(rest) else {
-        out.violation(format!("{id}: not <customer>_<10 digits>[_<6 digits>]"));
-        return None;
-    };
+    let (id, customer, position) = id_parts(d, out)?;
     let spelling = d.get("customerId");
     let spelled = match spelling {
         Some(Bson::Int64(n)) => n.to_string(),
@@ -163,47 +149,8 @@ fn read<'a>(
         .get_array("history")
         .map(|a| a.iter().filter_map(Bson::as_document).collect())
         .unwrap_or_default();
-    let count = number(d, "count").unwrap_or(-1);
-    let cap = number(d, "cap").unwrap_or(-1);
-    let bytes = number(d, "bytes").unwrap_or(-1);
-    let cap_bytes = number(d, "capBytes").unwrap_or(-1);
-    *out.caps.entry(cap).or_default() += 1;
-    if count != history.len() as i64 || count < 1 || count > cap {
-        out.violation(format!(
-            "{id}: count {count}, {} in history, cap {cap}",
-            history.len()
-        ));
-    }
-    if !u32::try_from(cap).is_ok_and(|c| capacities.contains(&c)) {
-        out.violation(format!(
-            "{id}: cap {cap}, no worker had it ({capacities:?})"
-        ));
-    }
-    if cap_bytes != CAP_BYTES {
-        out.violation(format!("{id}: capBytes {cap_bytes}"));
-    }
-    let size = mongodb::bson::to_vec(d).map_or(0, |v| v.len() as i64);
-    if bytes < size || bytes >= MAX_BUCKET_BYTES {
-        out.violation(format!("{id}: bytes {bytes}, its BSON size {size}"));
-    }
-    let mut tickers = BTreeSet::new();
-    for h in &history {
-        match h.get_str("key") {
-            Ok(k) if !keys.insert(k.to_string()) => {
-                out.violation(format!("{id}: trade {k} stored twice"))
-            }
-            Ok(_) => {}
-            Err(_) => out.violation(format!("{id}: a trade without key")),
-        }
-        tickers.extend(h.get_str("ticker").ok());
-    }
-    let stored: BTreeSet<&str> = d
-        .get_array("tickers")
-        .map(|a| a.iter().filter_map(Bson::as_str).collect())
-        .unwrap_or_default();
-    if stored != tickers {
-        out.violation(format!("{id}: tickers {stored:?}, history {tickers:?}"));
-    }
+    let (count, cap, bytes, cap_bytes) = check_sizes(d, id, history.len(), capacities, out);
+    let tickers = check_history(d, id, &history, keys, out);
     let first_secs = history
         .first()
         .and_then(|h| h.get_datetime("date").ok())
@@ -234,17 +181,106 @@ fn read<'a>(
         longest_ticker: tickers.iter().map(|t| t.len() as i64).max().unwrap_or(0),
         wm,
     };
-    // The bucket took its last trade while below capBytes: what it holds
-    // without that trade's charge (at most its entry and the fixed parts,
-    // the longest ticker and watermark key) is below capBytes.
+    took_while_below(&b, out);
+    Some(b)
+}
+
+/// The `_id`, its customer and its position, or `None` (a violation)
+/// when it is not `<customer>_<10 digits>[_<6 digits>]`.
+fn id_parts<'a>(d: &'a Document, out: &mut Chains) -> Option<(&'a str, &'a str, (i64, u32))> {
+    let Ok(id) = d.get_str("_id") else {
+        out.violation(format!(
+            "a bucket whose _id is not text: {:?}",
+            d.get("_id")
+        ));
+        return None;
+    };
+    let Some((customer, rest)) = id.split_once('_') else {
+        out.violation(format!("{id}: no '_' in the _id"));
+        return None;
+    };
+    let Some(position) = position(rest) else {
+        out.violation(format!("{id}: not <customer>_<10 digits>[_<6 digits>]"));
+        return None;
+    };
+    Some((id, customer, position))
+}
+
+/// `count`, `cap`, `bytes` and `capBytes`, each checked against the
+/// history, the workers' capacities and the BSON size.
+fn check_sizes(
+    d: &Document,
+    id: &str,
+    entries: usize,
+    capacities: &BTreeSet<u32>,
+    out: &mut Chains,
+) -> (i64, i64, i64, i64) {
+    let count = number(d, "count").unwrap_or(-1);
+    let cap = number(d, "cap").unwrap_or(-1);
+    let bytes = number(d, "bytes").unwrap_or(-1);
+    let cap_bytes = number(d, "capBytes").unwrap_or(-1);
+    *out.caps.entry(cap).or_default() += 1;
+    if count != entries as i64 || count < 1 || count > cap {
+        out.violation(format!(
+            "{id}: count {count}, {entries} in history, cap {cap}"
+        ));
+    }
+    if !u32::try_from(cap).is_ok_and(|c| capacities.contains(&c)) {
+        out.violation(format!(
+            "{id}: cap {cap}, no worker had it ({capacities:?})"
+        ));
+    }
+    if cap_bytes != CAP_BYTES {
+        out.violation(format!("{id}: capBytes {cap_bytes}"));
+    }
+    let size = mongodb::bson::to_vec(d).map_or(0, |v| v.len() as i64);
+    if bytes < size || bytes >= MAX_BUCKET_BYTES {
+        out.violation(format!("{id}: bytes {bytes}, its BSON size {size}"));
+    }
+    (count, cap, bytes, cap_bytes)
+}
+
+/// Every trade's key once in the whole collection, and the bucket's
+/// `tickers` equal to its history's; returns those tickers.
+fn check_history<'a>(
+    d: &Document,
+    id: &str,
+    history: &[&'a Document],
+    keys: &mut HashSet<String>,
+    out: &mut Chains,
+) -> BTreeSet<&'a str> {
+    let mut tickers = BTreeSet::new();
+    for h in history {
+        match h.get_str("key") {
+            Ok(k) if !keys.insert(k.to_string()) => {
+                out.violation(format!("{id}: trade {k} stored twice"))
+            }
+            Ok(_) => {}
+            Err(_) => out.violation(format!("{id}: a trade without key")),
+        }
+        tickers.extend(h.get_str("ticker").ok());
+    }
+    let stored: BTreeSet<&str> = d
+        .get_array("tickers")
+        .map(|a| a.iter().filter_map(Bson::as_str).collect())
+        .unwrap_or_default();
+    if stored != tickers {
+        out.violation(format!("{id}: tickers {stored:?}, history {tickers:?}"));
+    }
+    tickers
+}
+
+/// The bucket took its last trade while below capBytes: what it holds
+/// without that trade's charge (at most its entry and the fixed parts,
+/// the longest ticker and watermark key) is below capBytes.
+fn took_while_below(b: &Bucket<'_>, out: &mut Chains) {
     let charge = b.last_entry + CHARGE_FIXED + b.longest_ticker + b.longest_wm_key;
     if b.bytes - charge >= b.cap_bytes {
         out.violation(format!(
-            "{id}: bytes {} with a last trade of at most {charge}: it took a trade while full",
-            b.bytes
+            "{}: bytes {} with a last trade of at most {charge}: it took a trade while full",
+            b.id, b.bytes
         ));
     }
-    Some(b)
 }
 
 /// `b` follows `p`, of the same customer, and names `prev`.

@@ -357,23 +357,9 @@ fn check_dead_letters(
     let by_pos: HashMap<(i32, i64), usize> =
         placed.iter().enumerate().map(|(i, &po)| (po, i)).collect();
     let mut d = DeadLetters::default();
-    let mut bad_expected: HashSet<usize> = HashSet::new();
-    for (i, r) in recs.iter().enumerate() {
-        if let Class::Bad {
-            kind,
-            poison,
-            shortened,
-        } = r.class
-        {
-            bad_expected.insert(i);
-            d.kinds.entry(kind.to_string()).or_default().0 += 1;
-            *d.poisons.entry(poison).or_default() += 1;
-            d.shortened.0 += usize::from(shortened);
-        }
-    }
+    let bad_expected = expected_bad(recs, &mut d);
     let dl = env.dead_letters_to_end();
-    let mut found: HashSet<usize> = HashSet::new();
-    let mut refusals: HashSet<usize> = HashSet::new();
+    let mut seen = Seen::default();
     for m in &dl {
         let kind = header(m, "tradebucket.error.kind").unwrap_or_default();
         d.kinds.entry(kind.clone()).or_default().1 += 1;
@@ -388,60 +374,117 @@ fn check_dead_letters(
                 .push(format!("dead letter for an unknown position {pos:?}"));
             continue;
         };
-        let r = &recs[i];
-        let good = matches!(r.class, Class::Good { .. } | Class::Duplicate { .. });
-        if good
-            && kind == "rejected_by_database"
-            && refused.is_some()
-            && ticker_of(r).as_deref() == refused
-        {
-            d.refused_positions.extend(source.into_iter().chain(origin));
-            if refusals.insert(i) {
-                let want = Want {
-                    kind: "rejected_by_database",
-                    shortened: false,
-                    topic: &env.topic,
-                };
-                let problems = dead_letter_problems(m, r, &want);
-                if !problems.is_empty() {
-                    d.wrong
-                        .push(format!("record {i} (refused): {}", problems.join(", ")));
-                }
-            }
-            continue;
-        }
-        if !found.insert(i) {
-            continue;
-        }
-        let Class::Bad {
-            kind: want,
-            poison,
-            shortened,
-        } = r.class
-        else {
-            d.wrong.push(format!(
-                "record {i} ({:?}) dead-lettered as {kind}",
-                r.class
-            ));
-            continue;
+        let letter = Letter {
+            m,
+            i,
+            kind: &kind,
+            positions: source.into_iter().chain(origin).collect(),
         };
-        let want = Want {
-            kind: want,
-            shortened,
-            topic: &env.topic,
-        };
-        let problems = dead_letter_problems(m, r, &want);
-        if !problems.is_empty() {
-            d.wrong
-                .push(format!("record {i} ({poison}): {}", problems.join(", ")));
-        }
+        judge_letter(env, recs, refused, letter, &mut seen, &mut d);
     }
     d.expected = bad_expected.len();
     d.actual = dl.len();
-    d.distinct = found.len();
-    d.missing = bad_expected.difference(&found).copied().collect();
-    d.refused = refusals.len();
+    d.distinct = seen.found.len();
+    d.missing = bad_expected.difference(&seen.found).copied().collect();
+    d.refused = seen.refusals.len();
     d
+}
+
+/// The bad records the producer made, counted by kind and poison.
+fn expected_bad(recs: &[Rec], d: &mut DeadLetters) -> HashSet<usize> {
+    let mut bad_expected = HashSet::new();
+    for (i, r) in recs.iter().enumerate() {
+        if let Class::Bad {
+            kind,
+            poison,
+            shortened,
+        } = r.class
+        {
+            bad_expected.insert(i);
+            d.kinds.entry(kind.to_string()).or_default().0 += 1;
+            *d.poisons.entry(poison).or_default() += 1;
+            d.shortened.0 += usize::from(shortened);
+        }
+    }
+    bad_expected
+}
+
+/// The records a dead letter was seen for: bad ones, and good ones the
+/// database refused (the storm's refused ticker).
+#[derive(Default)]
+struct Seen {
+    found: HashSet<usize>,
+    refusals: HashSet<usize>,
+}
+
+/// One dead letter: the message, the record it is for, its kind and the
+/// positions it names (its source, and the original a replay names).
+struct Letter<'m> {
+    m: &'m OwnedMessage,
+    i: usize,
+    kind: &'m str,
+    positions: Vec<(i32, i64)>,
+}
+
+/// Whether one dead letter is right for its record: a refusal of a good
+/// trade with the refused ticker, or a bad record's first dead letter with
+/// the kind and headers it must carry.
+fn judge_letter(
+    env: &TestEnv,
+    recs: &[Rec],
+    refused: Option<&str>,
+    l: Letter<'_>,
+    seen: &mut Seen,
+    d: &mut DeadLetters,
+) {
+    let r = &recs[l.i];
+    let i = l.i;
+    let good = matches!(r.class, Class::Good { .. } | Class::Duplicate { .. });
+    if good
+        && l.kind == "rejected_by_database"
+        && refused.is_some()
+        && ticker_of(r).as_deref() == refused
+    {
+        d.refused_positions.extend(l.positions);
+        if seen.refusals.insert(i) {
+            let want = Want {
+                kind: "rejected_by_database",
+                shortened: false,
+                topic: &env.topic,
+            };
+            let problems = dead_letter_problems(l.m, r, &want);
+            if !problems.is_empty() {
+                d.wrong
+                    .push(format!("record {i} (refused): {}", problems.join(", ")));
+            }
+        }
+        return;
+    }
+    if !seen.found.insert(i) {
+        return;
+    }
+    let Class::Bad {
+        kind: want,
+        poison,
+        shortened,
+    } = r.class
+    else {
+        d.wrong.push(format!(
+            "record {i} ({:?}) dead-lettered as {}",
+            r.class, l.kind
+        ));
+        return;
+    };
+    let want = Want {
+        kind: want,
+        shortened,
+        topic: &env.topic,
+    };
+    let problems = dead_letter_problems(l.m, r, &want);
+    if !problems.is_empty() {
+        d.wrong
+            .push(format!("record {i} ({poison}): {}", problems.join(", ")));
+    }
 }
 
 /// What the dead letter of one bad record must say.
