@@ -76,6 +76,7 @@ def storm_verdict(r):
         ("doubled", r["duplicated"] == 0),
         ("unexpected", r["unexpected"] == 0),
         ("order", r["order_violations"] == 0),
+        ("keys", r.get("wrong_keys", 0) == 0),
         ("stored", r["trades_stored"] == r["trades_expected"]),
         ("audit", r["audit_exit_code"] == 0 and r["audit"].get("violations") == 0
          and r["audit"].get("trades") == r["trades_expected"]),
@@ -92,17 +93,28 @@ storms = sorted(directory.glob("storm-*.json"),
                 key=lambda p: int(p.stem.split("-")[1]))
 if storms:
     print("| seed | size | conditions drawn | events | distinct trades | lost | doubled "
-          "| dead letters (records / sent) | reconcile | verdict |")
-    print("|---:|---|---|---:|---:|---:|---:|---|---|---|")
+          "| dead letters (records / sent) | replayed | chains | reconcile | time | verdict |")
+    print("|---:|---|---|---:|---:|---:|---:|---|---:|---|---|---:|---|")
     for path in storms:
         r = json.loads(path.read_text())
         seed = r["scenario"].split("-")[1]
-        drawn = r["notes"].get("drawn", r["notes"].get("conditions"))
+        notes = r["notes"]
+        drawn = notes.get("drawn", notes.get("conditions"))
         verdict = storm_verdict(r)
-        rec = r["notes"].get("reconcile")
+        rec = notes.get("reconcile")
+        refused = notes.get("reconcile_dead_lettered_and_stored_after_refusal", 0)
         rec = (f"{rec['records']} records, {rec['problems']} problems" if rec else "not run")
+        if refused:
+            rec += f" (all {refused} refused trades, replayed)"
+        refused_dl = r.get("trades_refused_dead_lettered", 0)
+        dead = (f"{r['dead_letters_distinct']} of {r['dead_letters_expected']}"
+                + (f" + {refused_dl} refused" if refused_dl else "")
+                + f" / {r['dead_letters_actual']}")
+        c = notes.get("chains")
+        chains = (f"{c['buckets']} buckets, {c['closed_by_size']} closed by size, "
+                  f"{c['violations']} violations" if c else "not checked")
         print(f"| {seed} | {r['size']} | {drawn} | {r['events_produced']} "
               f"| {r['trades_stored']} of {r['trades_expected']} | {r['lost']} "
-              f"| {r['duplicated']} | {r['dead_letters_distinct']} of "
-              f"{r['dead_letters_expected']} / {r['dead_letters_actual']} | {rec} | {verdict} |")
+              f"| {r['duplicated']} | {dead} | {notes.get('records_replayed', '')} "
+              f"| {chains} | {rec} | {r['seconds_total']} s | {verdict} |")
     print()

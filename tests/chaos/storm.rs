@@ -41,15 +41,36 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use testkit::{poll_until, Produced, WorkerProcess};
+use testkit::{poll_until, Produced, WorkerProcess, SIGTERM};
 use tradebucket::cli::{synthetic_event, ProduceOptions};
 
 use crate::harness::*;
 
 /// The seeds of the default run, chosen so that together they draw every
-/// condition (`default_seeds_draw_every_condition` holds them to it).
-/// Their draws, at reduced size:
-/// - 1: ...
+/// condition (`default_seeds_draw_every_condition` holds them to it) in
+/// about three minutes at reduced size. What each draws, and found:
+/// - 17: heavy trades (a bucket closes by size) among 30% without
+///   `tradeId`; three workers, classic and KIP-848, caches of 1,000 and
+///   300, capacities 100 and 2; a kill -9, restarted at once, and a
+///   restart as capacity 4; bad records.
+/// - 165: MongoDB refuses 3% of the trades until lifted, then `dlq
+///   replay`; a join (KIP-848, cache 300), a Kafka hole, a leave;
+///   duplicates across partitions.
+/// - 201: no `tradeId` at all, unkeyed, a third sent again on another
+///   partition; replies dropped, a broker restart, `reconcile --to-end
+///   --replay-missing` with every worker stopped (about 1,200 replays).
+/// - 313: `reconcile --to-end --replay-missing` while two workers (caches
+///   1,000 and 300) run, a MongoDB hole, then `reconcile
+///   --replay-missing`. Found that reconcile read the dead letters before
+///   the committed offsets: bad records dead-lettered and committed in
+///   between, as the workers caught up after the hole, were reported
+///   missing (4 runs of 4, up to 7 records).
+///
+/// Earlier draws (issue #25) ran seeds 1, 2, 3, 8 and 14, which draw other
+/// conditions now: 3 found dead letters repeated after a rebalance (the
+/// oracle allows repeats of one position since); 8 and 14 found faults of
+/// the broker of the time, Tansu, that the storm no longer works around
+/// (docs/testing.md).
 const DEFAULT_SEEDS: [u64; 4] = [17, 165, 201, 313];
 
 /// Session timeout of the storm's workers, and the consumer protocol's
@@ -530,9 +551,7 @@ impl Storm {
         let stopped: Vec<Spec> = if stop {
             let all: Vec<(WorkerProcess, Spec)> = self.workers.drain(..).collect();
             let specs = all.iter().map(|(_, spec)| spec.clone()).collect();
-            for (w, _) in all {
-                s.sigterm(w);
-            }
+            stop_all(s, all.into_iter().map(|(w, _)| w).collect());
             // Records keep arriving while nobody reads them.
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(500..3000))).await;
             specs
@@ -613,6 +632,23 @@ impl Storm {
             s.failures
                 .push(format!("dlq replay --all exited {code:?}: {out} {err}"));
         }
+    }
+}
+
+/// SIGTERM to every worker at once, then each one's exit code: stopped
+/// one after another, the last ones would catch up meanwhile.
+fn stop_all(s: &mut Scenario, workers: Vec<WorkerProcess>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for w in &workers {
+        // As `WorkerProcess::sigterm`: not before its handler is in place.
+        while !w.handles(SIGTERM) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        w.signal(SIGTERM);
+    }
+    for w in workers {
+        let code = w.exit_code_within(Duration::from_secs(60));
+        s.exit_codes.push(code);
     }
 }
 
