@@ -10,7 +10,7 @@
 //!   growing batch as the loop's open batch grows;
 //! - `decode`: `pipeline::decode_batch`, what the loop calls on a closed
 //!   batch;
-//! - `plan`: the batch grouped by customer (as the writer's `Batch::new`
+//! - `plan`: the batch grouped by customer (as the writer's `Ledger::new`
 //!   does) and `plan::plan_customer_owned` against each customer's newest
 //!   bucket;
 //! - `encode`: those plans as the statements sent (`fill_statement`,
@@ -62,6 +62,7 @@ use tradebucket::config::Settings;
 use tradebucket::event::{CustomerId, Mappings, Source, Trade};
 use tradebucket::metrics::Metrics;
 use tradebucket::pipeline::{decode_batch, Decoded, Record};
+use tradebucket::registry::Formats;
 
 // ---------------------------------------------------------------------
 // The counting allocator: every allocation of this program passes through
@@ -219,7 +220,7 @@ struct Wire {
 }
 
 /// `tradebucket produce`'s events (same generator, seed and options as
-/// `benches/pipeline.rs`), keyed by customer. The broker's partitioner
+/// `benches/pipeline/`), keyed by customer. The broker's partitioner
 /// (a hash of the key) is stood in for by `customer % partitions`: what
 /// counts here is that each customer stays on one partition, in order.
 struct Stream {
@@ -408,13 +409,18 @@ fn stage_intake(topic: &str, wire: &[Wire]) -> Vec<Record> {
 
 #[inline(never)]
 fn stage_decode(records: &[Record], max_bytes: usize) -> Decoded {
-    decode_batch(records, &Mappings::default(), max_bytes)
+    decode_batch(
+        records,
+        &Mappings::default(),
+        &Formats::default(),
+        max_bytes,
+    )
 }
 
 type Heads = HashMap<CustomerId, Option<BucketHead>>;
 
 /// The writer's planning of one round, outside the writer: the batch
-/// grouped by customer as `Batch::new` groups it, each customer planned
+/// grouped by customer as `Ledger::new` groups it, each customer planned
 /// against its newest bucket, taken out of `heads` as the writer takes it
 /// out of its cache (the caller puts each plan's `after` back).
 #[inline(never)]
@@ -719,7 +725,9 @@ fn decode_rounds(
     let mut meter = Meter::default();
     let mut last = None;
     for _ in 0..rounds.max(1) {
-        last = Some(meter.run(records.len(), || decode_batch(records, mappings, max_bytes)));
+        last = Some(meter.run(records.len(), || {
+            decode_batch(records, mappings, &Formats::default(), max_bytes)
+        }));
     }
     (meter, last.expect("at least one round"))
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Renders docs/benchmarks.md and its chart from the figures one run of
-benches/pipeline.rs wrote (scripts/bench calls this after the run).
+benches/pipeline/ wrote (scripts/bench calls this after the run).
 
     python3 benches/report.py RESULTS_JSON TIMELINE_CSV MD_OUT PNG_OUT FLAGS
 

@@ -4,7 +4,6 @@
 //! the exit code.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::time::Duration;
 
 use mongodb::bson::{doc, Bson, Document, RawDocumentBuf};
 use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
@@ -85,7 +84,8 @@ pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<InitOu
             .iter()
             .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(-1)))
             .collect();
-        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let limit = settings.timeouts.kafka_request;
+        let options = AdminOptions::new().operation_timeout(Some(limit));
         for result in admin.create_topics(&topics, &options).await? {
             match result {
                 Ok(name) => created.push(name),

@@ -4,7 +4,9 @@
 //! `values` parses each of the trade's fields. A topic with a mapping
 //! (`[[mappings]]`) is read by `mapping` (its pointers walked by `pointer`,
 //! its date formats read by `dates`) into the same fields and the same
-//! checks; `sample` shows what a payload would become.
+//! checks; `replay` decodes a whole record as the worker does (a replayed
+//! dead letter under its original identity); `sample` shows what a payload
+//! would become.
 //!
 //! Money and quantities never pass through a binary float: the JSON text of
 //! a number is kept as written (`RawValue`) and parsed exactly into
@@ -56,10 +58,19 @@ pub enum RejectKind {
     TradeIdConflict,
     /// MongoDB refused the document permanently (validation, size).
     Rejected,
+    /// An Avro or Protobuf topic's record is not in the Confluent wire
+    /// format (no magic byte, a truncated header), or its bytes do not
+    /// decode by the schema they name.
+    InvalidFormat,
+    /// The schema id a record names does not exist in the registry (404).
+    UnknownSchema,
+    /// The registry's answer for the record's schema id is not a schema
+    /// this worker can read (the message names the id).
+    InvalidSchema,
 }
 
 impl RejectKind {
-    pub const ALL: [RejectKind; 10] = [
+    pub const ALL: [RejectKind; 13] = [
         RejectKind::Oversize,
         RejectKind::Empty,
         RejectKind::NotUtf8,
@@ -70,6 +81,9 @@ impl RejectKind {
         RejectKind::InvalidField,
         RejectKind::TradeIdConflict,
         RejectKind::Rejected,
+        RejectKind::InvalidFormat,
+        RejectKind::UnknownSchema,
+        RejectKind::InvalidSchema,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -84,6 +98,9 @@ impl RejectKind {
             RejectKind::InvalidField => "invalid_field",
             RejectKind::TradeIdConflict => "trade_id_conflict",
             RejectKind::Rejected => "rejected_by_database",
+            RejectKind::InvalidFormat => "invalid_format",
+            RejectKind::UnknownSchema => "unknown_schema",
+            RejectKind::InvalidSchema => "invalid_schema",
         }
     }
 }
@@ -378,15 +395,19 @@ pub fn decode_as(
     fields.into_trade(identity)
 }
 
+pub mod avro;
 mod dates;
 mod decode;
 pub mod mapping;
 mod pointer;
+pub mod protobuf;
+mod replay;
 mod sample;
 mod values;
 
 use decode::{parse_object, payload_text, TradeFields};
 pub use mapping::{decode_mapped, Mapping, Mappings, RecordParts};
+pub use replay::{decode_record, position_text, replay_origin, H_REPLAY_OF};
 pub use sample::sample;
 
 #[cfg(test)]

@@ -2,12 +2,10 @@
 //! HTTP endpoints read. Its own module so that neither side depends on the
 //! other.
 //!
-//! The state is private; each writer has its own few methods, grouped
-//! below by component: the loop (`tick`, `subscribed`, `draining`,
-//! `records_skipped`), the write stage (`write_succeeded`, `write_failed`,
-//! `dead_letters_failing`), the MongoDB watcher (`mongodb_reachable`), the
-//! partition watcher (`stalled_partitions`) and librdkafka's statistics
-//! callback (`kafka_unreachable`, `group_unsettled`).
+//! The state is private. Each writer has its own few methods, in an `impl`
+//! block of its own below (the loop's, the write stage's, the watchers'
+//! and librdkafka's statistics callback's), and the endpoints read through
+//! the last one.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,6 +44,9 @@ pub struct Health {
     /// Assigned partitions with records waiting that the consumer has not
     /// read for `timeouts.partition_stall`, described for the operator.
     stalled_partitions: Mutex<Vec<String>>,
+    /// Why the Schema Registry could not give a schema that records wait
+    /// for (the write stage retries; the partition waits).
+    schema_registry_unavailable: Mutex<Option<String>>,
     /// Shutting down: no new batches.
     draining: AtomicBool,
     /// Unix millis of the loop's last turn; a stale value means wedged.
@@ -104,6 +105,11 @@ impl Health {
     /// Whether the dead-letter topic refuses writes.
     pub fn dead_letters_failing(&self, failing: bool) {
         self.dead_letters_failing.store(failing, Ordering::Relaxed);
+    }
+
+    /// Why the Schema Registry does not answer, or `None` once it does.
+    pub fn schema_registry_unavailable(&self, why: Option<String>) -> Change {
+        replace(&self.schema_registry_unavailable, why)
     }
 }
 
@@ -182,6 +188,11 @@ impl Health {
             out.push(Cow::Borrowed(
                 "the dead-letter topic refuses writes: being retried, the partition waits",
             ));
+        }
+        if let Ok(Some(why)) = self.schema_registry_unavailable.lock().as_deref() {
+            out.push(Cow::Owned(format!(
+                "Schema Registry unavailable: {why}; being retried, the partition waits"
+            )));
         }
         if self.records_skipped.load(Ordering::Relaxed) {
             out.push(Cow::Borrowed("the Kafka client skipped records it could not read: offsets are no longer committed"));

@@ -39,5 +39,6 @@ pub mod offsets;
 pub mod pipeline;
 pub mod ratelimit;
 pub mod reconcile;
+pub mod registry;
 pub mod retry;
 pub mod throttle;

@@ -6,8 +6,8 @@
 mod labels;
 
 pub use labels::{
-    CommitResult, ConsumerErrorKind, DelayStage, RebalanceKind, RetryKind, SkipReason,
-    TimeoutOperation, WriteOperation,
+    CommitResult, ConsumerErrorKind, DelayStage, RebalanceKind, RegistryErrorKind, RetryKind,
+    SkipReason, TimeoutOperation, WriteOperation,
 };
 use prometheus::core::Collector;
 use prometheus::{
@@ -88,6 +88,20 @@ const REBALANCES_TOTAL: Def = (
     "Consumer-group rebalance events, by kind.",
 );
 
+// Avro and Protobuf topics (issue #48): the Schema Registry.
+const SCHEMA_FETCHES_TOTAL: Def = (
+    "tradebucket_schema_fetches_total",
+    "Schemas fetched from the Schema Registry by id (answers received, a schema or not).",
+);
+const SCHEMA_CACHE_HITS_TOTAL: Def = (
+    "tradebucket_schema_cache_hits_total",
+    "Avro and Protobuf records whose writer's schema was already in memory.",
+);
+const SCHEMA_REGISTRY_ERRORS_TOTAL: Def = (
+    "tradebucket_schema_registry_errors_total",
+    "Schema fetches that failed, by kind: unavailable (retried, the partition waits), not_found, invalid_schema (dead-lettered).",
+);
+
 // Operator tools (issue #16): the write-rate limit's waiting.
 const THROTTLED_SECONDS_TOTAL: Def = (
     "tradebucket_throttled_seconds_total",
@@ -134,6 +148,10 @@ pub struct Metrics {
     pub ready: IntGauge,
     /// Time spent waiting for the write-rate limit.
     pub throttled_seconds: Counter,
+    pub schema_fetches: IntCounter,
+    pub schema_cache_hits: IntCounter,
+    /// kind: [`RegistryErrorKind`]
+    pub schema_registry_errors: IntCounterVec,
 }
 
 impl Metrics {
@@ -168,6 +186,9 @@ impl Metrics {
                 &r,
                 Counter::new(THROTTLED_SECONDS_TOTAL.0, THROTTLED_SECONDS_TOTAL.1),
             ),
+            schema_fetches: counter(&r, SCHEMA_FETCHES_TOTAL),
+            schema_cache_hits: counter(&r, SCHEMA_CACHE_HITS_TOTAL),
+            schema_registry_errors: counter_vec(&r, SCHEMA_REGISTRY_ERRORS_TOTAL, "kind"),
             registry: r,
         };
         m.register_build_and_process();
@@ -218,6 +239,15 @@ impl Metrics {
         DelayStage::ALL
             .iter()
             .for_each(|&s| drop(self.stage_delay(s)));
+        RegistryErrorKind::ALL
+            .iter()
+            .for_each(|&k| drop(self.registry_error(k)));
+    }
+
+    /// `tradebucket_schema_registry_errors_total{kind}`.
+    pub fn registry_error(&self, kind: RegistryErrorKind) -> IntCounter {
+        self.schema_registry_errors
+            .with_label_values(&[kind.as_str()])
     }
 
     /// `tradebucket_events_skipped_total{reason}`.

@@ -5,8 +5,9 @@
 //! (guarded updates, unique indexes, one atomic statement at a time) while
 //! other writers' statements interleave between any two.
 //!
-//! The futures are `Send` because the pipeline's write stage runs on the
-//! multi-threaded runtime.
+//! The futures are `Send` so that the pipeline's future is: the product
+//! runs it on a single-threaded runtime of its own (`pipeline::run`), but
+//! the tests spawn it on multi-threaded ones (`tokio::spawn`).
 
 use std::future::Future;
 

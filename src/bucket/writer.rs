@@ -1,7 +1,8 @@
 //! Writes one batch of trades into buckets, in rounds until every event has
 //! an outcome. A `Ledger` holds what lasts across rounds (outcomes, the
-//! customers still pending, what the database told us); a `Round` holds
-//! one round's plans and which of them held (both in `writer/round.rs`).
+//! customers still pending, what the database told us; `writer/ledger.rs`);
+//! a `Round` holds one round's plans and which of them held
+//! (`writer/round.rs`).
 //! Each round:
 //!
 //! 1. `verify_cached_keys` / `load_missing` / `verify_below_watermark`:
@@ -31,9 +32,9 @@ use mongodb::bson::RawDocumentBuf;
 
 use super::db::BucketDb;
 use super::id::Prefix;
-use super::plan::{plan_customer_owned, BucketHead, CustomerPlan, Event, Known, Limits};
+use super::plan::{BucketHead, CustomerPlan, Limits};
 use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
-use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
+use crate::event::{CustomerId, Reject, Source, Trade};
 use crate::metrics::{Metrics, WriteOperation};
 
 /// A conflict is resolved by one reload; this many rounds in a row that
@@ -139,11 +140,11 @@ impl<S: BucketDb> BucketWriter<S> {
         if result.is_err() {
             // Whatever we were doing, we no longer know the state of these
             // customers.
-            for c in ledger.pending.keys() {
+            for c in ledger.pending_customers() {
                 self.cache.pop(c);
             }
         }
-        result.map(|()| ledger.stats)
+        result.map(|()| ledger.into_stats())
     }
 
     /// Plans, writes and re-plans until every event has an outcome. A
@@ -151,13 +152,13 @@ impl<S: BucketDb> BucketWriter<S> {
     /// reloaded and planned again in the next round.
     async fn rounds(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
         let mut stalled = 0;
-        while !ledger.pending.is_empty() {
-            ledger.stats.rounds += 1;
+        while !ledger.is_done() {
+            ledger.stats_mut().rounds += 1;
             let settled_before = ledger.settled();
             if stalled > MAX_STALLED_ROUNDS {
                 return Err(StoreError::Failed(format!(
                     "{} customers still conflicting after {MAX_STALLED_ROUNDS} rounds without progress",
-                    ledger.pending.len()
+                    ledger.pending_customers().count()
                 )));
             }
             self.verify_cached_keys(ledger).await?;
@@ -203,26 +204,12 @@ impl<S: BucketDb> BucketWriter<S> {
     /// version still running (docs/operations.md, "Replay"). One query,
     /// only for batches holding replays.
     async fn verify_legacy_keys(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
-        let events = ledger.events;
-        let mut asked: HashMap<&str, Vec<usize>> = HashMap::new();
-        for idx in ledger.pending.values() {
-            for &i in idx {
-                if let Some(legacy) = &events[i].0.legacy_key {
-                    asked.entry(legacy.as_str()).or_default().push(i);
-                }
-            }
-        }
+        let asked = ledger.legacy_keys();
         if asked.is_empty() {
             return Ok(());
         }
-        let keys = keys_of(events, &asked);
-        let timer = self.timer(WriteOperation::FindKeys);
-        let found = self.store.find_keys(&keys).await?;
-        timer.observe_duration();
-        for i in stored_in_own_bucket(events, &asked, &found) {
-            let trade = &events[i].0;
-            let known = ledger.known.entry(trade.customer.clone()).or_default();
-            known.elsewhere.insert(trade.key.clone());
+        for i in self.stored_in_own_bucket(ledger, &asked).await? {
+            ledger.stored_as_legacy(i);
         }
         Ok(())
     }
@@ -233,27 +220,24 @@ impl<S: BucketDb> BucketWriter<S> {
     /// and a later batch reads the bucket again, mended or not.
     async fn load_missing(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
         let missing: Vec<CustomerId> = ledger
-            .pending
-            .keys()
+            .pending_customers()
             .filter(|c| !self.cache.contains(*c))
             .cloned()
             .collect();
         if missing.is_empty() {
             return Ok(());
         }
-        ledger.stats.heads_loaded += missing.len();
+        ledger.stats_mut().heads_loaded += missing.len();
         let timer = self.timer(WriteOperation::Load);
         let heads = self.store.load_heads(missing).await?;
         timer.observe_duration();
         for (customer, head) in heads {
-            ledger.loaded.insert(customer.clone());
             match head {
                 Ok(head) => {
+                    ledger.loaded(&customer, None);
                     self.cache.put(customer, head);
                 }
-                Err(unreadable) => {
-                    ledger.unreadable.insert(customer, unreadable);
-                }
+                Err(unreadable) => ledger.loaded(&customer, Some(unreadable)),
             }
         }
         Ok(())
@@ -268,19 +252,15 @@ impl<S: BucketDb> BucketWriter<S> {
     /// MongoDB has its head dropped and read again. Costs one query, only
     /// for a batch holding such events (redeliveries, upstream copies).
     async fn verify_cached_keys(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
-        let asked = self.cached_keys_unverified(ledger);
+        let asked = ledger.cached_keys_unverified(|c| self.cached_head(c));
         if asked.is_empty() {
             return Ok(());
         }
-        let keys = keys_of(ledger.events, &asked);
-        let timer = self.timer(WriteOperation::FindKeys);
-        let found = self.store.find_keys(&keys).await?;
-        timer.observe_duration();
-        let stored = stored_in_own_bucket(ledger.events, &asked, &found);
+        let stored = self.stored_in_own_bucket(ledger, &asked).await?;
         let mut stale: HashSet<&CustomerId> = HashSet::new();
         for &i in asked.values().flatten() {
             if !stored.contains(&i) {
-                stale.insert(&ledger.events[i].0.customer);
+                stale.insert(&ledger.trade(i).customer);
             }
         }
         if !stale.is_empty() {
@@ -296,29 +276,32 @@ impl<S: BucketDb> BucketWriter<S> {
         Ok(())
     }
 
-    /// The pending events whose key their customer's cached head (not read
-    /// by this call) holds and that no earlier round looked up, by key.
-    fn cached_keys_unverified<'e>(&self, ledger: &mut Ledger<'e>) -> HashMap<&'e str, Vec<usize>> {
-        let events = ledger.events;
-        let mut asked: HashMap<&'e str, Vec<usize>> = HashMap::new();
-        for (customer, idx) in &ledger.pending {
-            if ledger.loaded.contains(customer) {
-                continue;
-            }
-            let Some(Some(head)) = self.cache.peek(customer) else {
-                continue;
-            };
-            for &i in idx {
-                let key = events[i].0.key.as_str();
-                if !ledger.outcomes[i].is_final()
-                    && head.keys.contains(key)
-                    && ledger.verified_cached.insert(i)
-                {
-                    asked.entry(key).or_default().push(i);
-                }
-            }
-        }
-        asked
+    /// `customer`'s cached newest bucket, if it has one.
+    fn cached_head(&self, customer: &CustomerId) -> Option<&BucketHead> {
+        self.cache.peek(customer).and_then(Option::as_ref)
+    }
+
+    /// The events of `asked` whose key is stored in one of their own
+    /// customer's buckets: one lookup of every key asked.
+    async fn stored_in_own_bucket(
+        &self,
+        ledger: &Ledger<'_>,
+        asked: &ByKey<'_>,
+    ) -> Result<HashSet<usize>, StoreError> {
+        let found = self.find_keys(&ledger.keys_of(asked)).await?;
+        Ok(ledger.stored_in_own_bucket(asked, &found))
+    }
+
+    /// Where the `wanted` keys are stored (see [`BucketDb::find_keys`]),
+    /// timed.
+    async fn find_keys(
+        &self,
+        wanted: &[(CustomerId, String)],
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        let timer = self.timer(WriteOperation::FindKeys);
+        let found = self.store.find_keys(wanted).await?;
+        timer.observe_duration();
+        Ok(found)
     }
 
     /// An event at or below its partition's watermark is normally a
@@ -332,25 +315,15 @@ impl<S: BucketDb> BucketWriter<S> {
     /// still guards against a double). Costs one query, and only when a
     /// batch holds redelivered events.
     async fn verify_below_watermark(&mut self, ledger: &mut Ledger<'_>) -> Result<(), StoreError> {
-        let asked = self.below_watermark_unverified(ledger);
+        let asked = ledger.below_watermark_unverified(|c| self.cached_head(c));
         if asked.is_empty() {
             return Ok(());
         }
-        let keys = keys_of(ledger.events, &asked);
-        let timer = self.timer(WriteOperation::FindKeys);
-        let found = self.store.find_keys(&keys).await?;
-        timer.observe_duration();
-        let stored = stored_in_own_bucket(ledger.events, &asked, &found);
+        let stored = self.stored_in_own_bucket(ledger, &asked).await?;
         let mut unstored = 0;
         for &i in asked.values().flatten() {
             if !stored.contains(&i) {
-                let trade = &ledger.events[i].0;
-                ledger
-                    .known
-                    .entry(trade.customer.clone())
-                    .or_default()
-                    .not_stored
-                    .insert(trade.key.clone());
+                ledger.not_stored(i);
                 unstored += 1;
             }
         }
@@ -362,35 +335,8 @@ impl<S: BucketDb> BucketWriter<S> {
                  writing them as new"
             );
         }
-        ledger.stats.below_watermark_unstored += unstored;
+        ledger.stats_mut().below_watermark_unstored += unstored;
         Ok(())
-    }
-
-    /// The pending events at or below their cached head's watermark whose
-    /// key the head does not hold and that no earlier round looked up, by
-    /// key. Each event is looked up at most once per batch.
-    fn below_watermark_unverified<'e>(
-        &self,
-        ledger: &mut Ledger<'e>,
-    ) -> HashMap<&'e str, Vec<usize>> {
-        let events = ledger.events;
-        let mut asked: HashMap<&'e str, Vec<usize>> = HashMap::new();
-        for (customer, idx) in &ledger.pending {
-            let Some(Some(head)) = self.cache.peek(customer) else {
-                continue;
-            };
-            for &i in idx {
-                let (trade, source) = &events[i];
-                if head.covers(source)
-                    && !ledger.outcomes[i].is_final()
-                    && !head.keys.contains(&trade.key)
-                    && ledger.verified.insert(i)
-                {
-                    asked.entry(trade.key.as_str()).or_default().push(i);
-                }
-            }
-        }
-        asked
     }
 
     /// Plans every pending customer against its cached newest bucket and
@@ -398,50 +344,19 @@ impl<S: BucketDb> BucketWriter<S> {
     /// unplaceable). The round holds the plans that do write.
     fn plan(&mut self, ledger: &mut Ledger<'_>) -> Round {
         ledger.reject_unreadable();
-        let nothing_known = Known::default();
-        let events = ledger.events;
-        let mut plans: Vec<(CustomerId, CustomerPlan)> = Vec::with_capacity(ledger.pending.len());
-        for (customer, idx) in &ledger.pending {
-            // Not cached is not "no bucket" (see `take_head`): it stays
-            // pending and is loaded again next round.
-            let Some(head) = self.take_head(customer) else {
-                continue;
-            };
-            let mut evs: Vec<Event<'_>> = idx
-                .iter()
-                .filter(|&&i| !ledger.outcomes[i].is_final())
-                .map(|&i| Event {
-                    index: i,
-                    trade: &events[i].0,
-                    source: &events[i].1,
-                })
-                .collect();
-            // After MongoDB refused a write of several of this customer's
-            // events, write at most half as many at a time until the
-            // offender is alone (see `Ledger::refused`).
-            if let Some(&limit) = ledger.isolate.get(customer) {
-                evs.truncate(limit);
-            }
-            let learnt = ledger.known.get(customer).unwrap_or(&nothing_known);
-            let limits = Limits::with_capacity(self.capacity);
-            let hold = ledger.may_hold(customer, idx);
-            let plan = plan_customer_owned(customer, head, &evs, learnt, limits, hold);
-            record(
-                ledger.outcomes,
-                &plan.already_applied,
-                Outcome::AlreadyApplied,
-            );
-            record(ledger.outcomes, &plan.held, Outcome::Held);
-            record(ledger.outcomes, &plan.duplicates, Outcome::Duplicate);
-            settle_copies(ledger.outcomes, &plan.copies);
-            for (i, why) in &plan.unplaceable {
-                let reject = Reject::new(RejectKind::Rejected, why.clone());
-                record(ledger.outcomes, &[*i], Outcome::DeadLetter(reject));
-            }
-            plans.push((customer.clone(), plan));
-        }
+        let limits = Limits::with_capacity(self.capacity);
+        let plans: Vec<(CustomerId, CustomerPlan)> = ledger
+            .pending()
+            .filter_map(|(customer, idx)| {
+                // Not cached is not "no bucket" (see `take_head`): it stays
+                // pending and is loaded again next round.
+                let head = self.take_head(customer)?;
+                Some((customer.clone(), ledger.plan(customer, idx, head, limits)))
+            })
+            .collect();
         let mut writing = Vec::with_capacity(plans.len());
         for (customer, plan) in plans {
+            ledger.planned(&plan);
             if plan.has_writes() {
                 writing.push((customer, plan));
                 continue;
@@ -449,9 +364,7 @@ impl<S: BucketDb> BucketWriter<S> {
             // Without writes every planned event is settled (an isolated
             // customer may still have events after the one planned), and
             // the head is unchanged: back into the cache.
-            if all_final(ledger.pending.get(&customer), ledger.outcomes) {
-                ledger.pending.remove(&customer);
-            }
+            ledger.done_if_settled(&customer);
             self.cache.put(customer, plan.after);
         }
         Round::new(writing)
@@ -488,7 +401,7 @@ impl<S: BucketDb> BucketWriter<S> {
         let timer = self.timer(WriteOperation::Fill);
         let outcome = self.store.apply_fills(statements).await?;
         timer.observe_duration();
-        ledger.stats.fills += fillers.len();
+        ledger.stats_mut().fills += fillers.len();
         let mut failed: HashSet<PlanId> = HashSet::new();
         for e in &outcome.errors {
             let p = fillers[e.index];
@@ -501,7 +414,7 @@ impl<S: BucketDb> BucketWriter<S> {
         }
         for &p in &fillers {
             if round.held(p) {
-                record(ledger.outcomes, &round.fill(p).events, Outcome::Written);
+                ledger.record(&round.fill(p).events, Outcome::Written);
             }
         }
         Ok(())
@@ -530,17 +443,11 @@ impl<S: BucketDb> BucketWriter<S> {
             .iter()
             .flat_map(|&p| {
                 let customer = round.customer(p);
-                let keys = round
-                    .fill(p)
-                    .events
-                    .iter()
-                    .map(|&i| &ledger.events[i].0.key);
+                let keys = round.fill(p).events.iter().map(|&i| &ledger.trade(i).key);
                 keys.map(move |k| (customer.clone(), k.clone()))
             })
             .collect();
-        let timer = self.timer(WriteOperation::FindKeys);
-        let found = self.store.find_keys(&wanted).await?;
-        timer.observe_duration();
+        let found = self.find_keys(&wanted).await?;
         let mut stored_in: HashMap<&str, Vec<&str>> = HashMap::new();
         for (key, bucket_id) in &found {
             stored_in.entry(key).or_default().push(bucket_id);
@@ -548,12 +455,12 @@ impl<S: BucketDb> BucketWriter<S> {
         for p in asked {
             let prefix = Prefix::of(round.customer(p));
             let all_stored = round.fill(p).events.iter().all(|&i| {
-                let buckets = stored_in.get(ledger.events[i].0.key.as_str());
+                let buckets = stored_in.get(ledger.trade(i).key.as_str());
                 buckets.is_some_and(|ids| ids.iter().any(|id| prefix.owns(id)))
             });
             if all_stored {
                 // Ours or another's: written either way, and not again.
-                record(ledger.outcomes, &round.fill(p).events, Outcome::Written);
+                ledger.record(&round.fill(p).events, Outcome::Written);
             }
             round.mark_stale(p);
         }
@@ -627,9 +534,8 @@ impl<S: BucketDb> BucketWriter<S> {
         }
         for (i, &b) in docs[..attempted].iter().enumerate() {
             if !refused_docs.contains(&i) {
-                let written = &round.new_bucket(b).events;
-                record(ledger.outcomes, written, Outcome::Written);
-                ledger.stats.buckets_created += 1;
+                ledger.record(&round.new_bucket(b).events, Outcome::Written);
+                ledger.stats_mut().buckets_created += 1;
             }
         }
         Ok(())
@@ -647,14 +553,12 @@ impl<S: BucketDb> BucketWriter<S> {
             round.conflicted.iter().chain(round.stale.iter()).collect();
         for planned in plans {
             let customer = planned.customer;
-            settle_copies(ledger.outcomes, &planned.plan.copies);
+            ledger.settle_copies(&planned.plan.copies);
             if planned.held && !unsettled.contains(&customer) {
                 // An isolated customer wrote part of its events, and a copy
                 // whose first was refused is planned on its own: more may
                 // wait.
-                if all_final(ledger.pending.get(&customer), ledger.outcomes) {
-                    ledger.pending.remove(&customer);
-                }
+                ledger.done_if_settled(&customer);
                 self.cache.put(customer, planned.plan.after);
             }
         }
@@ -662,11 +566,9 @@ impl<S: BucketDb> BucketWriter<S> {
             self.cache.pop(customer);
             // Settled after all (a missed fill whose trades are all
             // stored): nothing left to plan, so nothing to reload.
-            if all_final(ledger.pending.get(customer), ledger.outcomes) {
-                ledger.pending.remove(customer);
-            }
+            ledger.done_if_settled(customer);
         }
-        ledger.stats.conflicts += round.conflicted.len();
+        ledger.stats_mut().conflicts += round.conflicted.len();
     }
 
     /// After a duplicate-key error: which of the conflicted customers'
@@ -680,91 +582,22 @@ impl<S: BucketDb> BucketWriter<S> {
         ledger: &mut Ledger<'_>,
         conflicted: &[CustomerId],
     ) -> Result<(), StoreError> {
-        let events = ledger.events;
-        let mut owner_of: HashMap<&str, Vec<usize>> = HashMap::new();
-        for customer in conflicted {
-            for &i in ledger
-                .pending
-                .get(customer)
-                .map(Vec::as_slice)
-                .unwrap_or(&[])
-            {
-                let outcome = &ledger.outcomes[i];
-                if !outcome.is_final() || *outcome == Outcome::Written {
-                    owner_of
-                        .entry(events[i].0.key.as_str())
-                        .or_default()
-                        .push(i);
-                }
-            }
-        }
-        let keys = keys_of(events, &owner_of);
-        let timer = self.timer(WriteOperation::FindKeys);
-        let found = self.store.find_keys(&keys).await?;
-        timer.observe_duration();
+        let owner_of = ledger.keys_in_conflict(conflicted);
+        let found = self.find_keys(&ledger.keys_of(&owner_of)).await?;
         for (key, bucket_id) in found {
             for &i in owner_of.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
-                let customer = &events[i].0.customer;
-                if Prefix::of(customer).owns(&bucket_id) {
-                    ledger
-                        .known
-                        .entry(customer.clone())
-                        .or_default()
-                        .elsewhere
-                        .insert(key.clone());
-                } else if !ledger.outcomes[i].is_final() {
-                    ledger.outcomes[i] = Outcome::DeadLetter(Reject::new(
-                        RejectKind::TradeIdConflict,
-                        // Not where: the other customer's bucket `_id`
-                        // would put their id in this producer's dead letter.
-                        format!("trade {key} is already stored for another customer"),
-                    ));
-                }
+                ledger.key_stored(i, &key, &bucket_id);
             }
         }
         Ok(())
     }
 }
 
-/// Settles each `(copy, first)` of a batch by what became of its first: a
-/// duplicate once the first is stored (written, or found stored), held
-/// while it is held. A copy whose first was dead-lettered stays pending and
-/// is planned on its own next round (an upstream copy may carry another
-/// payload, which may be stored where the first's was refused); one whose
-/// first is pending waits. design.md: an event is settled only on proof
-/// that its own trade is stored.
-fn settle_copies(outcomes: &mut [Outcome], copies: &[(usize, usize)]) {
-    for &(copy, first) in copies {
-        let settled = match &outcomes[first] {
-            Outcome::Written | Outcome::AlreadyApplied | Outcome::Duplicate => Outcome::Duplicate,
-            Outcome::Held => Outcome::Held,
-            Outcome::DeadLetter(_) | Outcome::Pending => continue,
-        };
-        record(outcomes, &[copy], settled);
-    }
-}
-
-/// The events of `asked` whose key `found` shows in one of their own
-/// customer's buckets.
-fn stored_in_own_bucket(
-    events: &[(Trade, Source)],
-    asked: &HashMap<&str, Vec<usize>>,
-    found: &[(String, String)],
-) -> HashSet<usize> {
-    let mut stored = HashSet::new();
-    for (key, bucket_id) in found {
-        for &i in asked.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
-            if Prefix::of(&events[i].0.customer).owns(bucket_id) {
-                stored.insert(i);
-            }
-        }
-    }
-    stored
-}
-
+mod ledger;
 mod round;
 
-use round::{all_final, keys_of, record, Ledger, NewBucketId, Op, PlanId, Round};
+use ledger::{ByKey, Ledger};
+use round::{NewBucketId, Op, PlanId, Round};
 
 #[cfg(test)]
 mod model;

@@ -399,6 +399,21 @@ impl Scrubber {
         }
     }
 
+    /// These secrets too (the Schema Registry's credentials).
+    pub fn with<'a>(mut self, more: impl IntoIterator<Item = &'a SecretString>) -> Self {
+        let mut values: Vec<String> = self
+            .secrets
+            .iter()
+            .map(|s| s.expose_secret().to_string())
+            .collect();
+        values.extend(more.into_iter().map(|s| s.expose_secret().to_string()));
+        values.retain(|v| !v.is_empty());
+        values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+        values.dedup();
+        self.secrets = values.into_iter().map(SecretString::from).collect();
+        self
+    }
+
     pub fn scrub(&self, text: &str) -> String {
         let mut out = text.to_string();
         for s in &self.secrets {

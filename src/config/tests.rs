@@ -1,3 +1,6 @@
+use secrecy::ExposeSecret;
+
+use super::validate::{CLASSIC_ONLY_OPTIONS, OWNED_OPTIONS};
 use super::*;
 
 fn env(pairs: &[(&str, &str)]) -> Option<BTreeMap<String, String>> {

@@ -199,7 +199,7 @@ async fn replay(
                 l.partition,
                 l.offset,
                 r.topic,
-                crate::kafka::position_text(&r.identity)
+                crate::event::position_text(&r.identity)
             );
         }
         println!("dry run: {} dead letters, nothing sent", chosen.len());

@@ -18,9 +18,6 @@ use crate::config::Settings;
 use crate::kafka::{self, headers, ScrubbedLogs};
 use crate::ratelimit::RateLimit;
 
-/// Time limit of each request to the broker (metadata, offsets).
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-
 #[derive(Debug, thiserror::Error)]
 pub enum DlqError {
     #[error("Kafka: {0}")]
@@ -67,7 +64,7 @@ pub fn read_topic(
     mut each: impl FnMut(Letter),
 ) -> Result<(), DlqError> {
     let client = reader(settings)?;
-    let pending = ranges(&client, topic)?;
+    let pending = ranges(&client, topic, settings.timeouts.kafka_request)?;
     let mut assignment = TopicPartitionList::new();
     for (&p, &(low, _)) in &pending {
         assignment.add_partition_offset(topic, p, Offset::Offset(low))?;
@@ -112,19 +109,22 @@ fn reader(settings: &Settings) -> Result<BaseConsumer<ScrubbedLogs>, DlqError> {
 }
 
 /// Per partition of `topic` that holds records: (first offset, end offset).
+/// Each request (metadata, offsets) waits at most `limit`
+/// (`timeouts.kafka_request`).
 fn ranges(
     client: &BaseConsumer<ScrubbedLogs>,
     topic: &str,
+    limit: Duration,
 ) -> Result<BTreeMap<i32, (i64, i64)>, DlqError> {
-    let partitions = kafka::partitions(client, topic, REQUEST_TIMEOUT)?;
+    let partitions = kafka::partitions(client, topic, limit)?;
     if partitions.is_empty() {
         return Err(DlqError::NoTopic(topic.into()));
     }
     let tps: Vec<_> = partitions.iter().map(|&p| (topic.into(), p)).collect();
-    let ends = kafka::end_offsets(client, &tps, REQUEST_TIMEOUT)?;
+    let ends = kafka::end_offsets(client, &tps, limit)?;
     let mut out = BTreeMap::new();
     for ((_, p), end) in ends {
-        let (low, _) = client.fetch_watermarks(topic, p, REQUEST_TIMEOUT)?;
+        let (low, _) = client.fetch_watermarks(topic, p, limit)?;
         if low < end {
             out.insert(p, (low, end));
         }
@@ -164,7 +164,8 @@ pub fn read_one(
 ) -> Result<Letter, DlqError> {
     let at = format!("{topic}/{partition}/{offset}");
     let client = reader(settings)?;
-    let range = ranges(&client, topic)?.get(&partition).copied();
+    let limit = settings.timeouts.kafka_request;
+    let range = ranges(&client, topic, limit)?.get(&partition).copied();
     if !range.is_some_and(|(low, end)| (low..end).contains(&offset)) {
         return Err(DlqError::NotFound(at));
     }

@@ -18,11 +18,11 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::event::Source;
+use crate::event::{position_text, replay_origin, Source, H_REPLAY_OF};
 use crate::kafka::headers::Header;
 use crate::kafka::{
-    position_text, replay_origin, H_ERROR_KIND, H_ERROR_MESSAGE, H_REPLAY_OF, H_SHORTENED,
-    H_SOURCE_OFFSET, H_SOURCE_PARTITION, H_SOURCE_TOPIC, OUR_HEADER_PREFIX,
+    H_ERROR_KIND, H_ERROR_MESSAGE, H_SHORTENED, H_SOURCE_OFFSET, H_SOURCE_PARTITION,
+    H_SOURCE_TOPIC, OUR_HEADER_PREFIX,
 };
 
 pub mod command;

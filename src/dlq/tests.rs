@@ -1,6 +1,7 @@
 use super::*;
+use crate::event::replay_origin;
 use crate::event::RejectKind;
-use crate::kafka::{replay_origin, H_PAYLOAD_LENGTH};
+use crate::kafka::H_PAYLOAD_LENGTH;
 
 fn h(name: &str, value: &str) -> Header {
     (name.as_bytes().to_vec(), Some(value.as_bytes().to_vec()))

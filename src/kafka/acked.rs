@@ -14,10 +14,8 @@
 //!
 //! The last handle's drop stops the thread and waits for it (a call at
 //! most), then destroys the client: librdkafka's threads must be gone
-//! before the process exits (with 10 s calls and the thread left to end on
-//! its own, a worker of a fresh-clone chaos run ended by a signal instead
-//! of exiting 0 at its SIGTERM, once; librdkafka running into the exit
-//! was the one thing new).
+//! before the process exits, or they may run into its exit handlers and
+//! end it by a signal instead of exit 0.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -31,8 +29,8 @@ use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, ProducerContext};
 use tokio::time::Instant;
 
-use super::clients::while_queue_full;
 use super::context::ScrubbedLogs;
+use super::queue::while_queue_full;
 
 /// How long each call of the polling thread lasts, and so how long the
 /// last handle's drop may wait for it.

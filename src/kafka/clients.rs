@@ -8,13 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::admin::AdminClient;
-use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult};
-use rdkafka::message::ToBytes;
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
-use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::TopicPartitionList;
 
 use secrecy::ExposeSecret;
@@ -290,50 +286,6 @@ pub fn admin(settings: &Settings) -> Result<AdminClient<ScrubbedLogs>, SetupErro
     client_config(settings, &[], &[])
         .create_with_context(ScrubbedLogs::new(settings))
         .map_err(|e| SetupError::new(settings, e))
-}
-
-/// Hands `record` to librdkafka now, waiting while its local queue is full
-/// (the producer's own thread empties it as the broker acknowledges). The
-/// async `FutureProducer::send` would only enqueue when first polled, so a
-/// caller that gathers its futures would send nothing until it awaits them.
-// The closure's result is rdkafka's own: a refused record comes back
-// beside its error, to be sent again.
-#[allow(clippy::result_large_err)]
-pub async fn enqueue<K, P, C>(
-    producer: &FutureProducer<C>,
-    record: FutureRecord<'_, K, P>,
-) -> KafkaResult<DeliveryFuture>
-where
-    K: ToBytes + ?Sized,
-    P: ToBytes + ?Sized,
-    C: ClientContext + 'static,
-{
-    while_queue_full(record, None, |r| producer.send_result(r)).await
-}
-
-/// How often a send is tried again while librdkafka's local queue is full.
-const QUEUE_FULL_RETRY: Duration = Duration::from_millis(5);
-
-/// Hands `record` to librdkafka through `send`, trying again while its
-/// local queue is full, until `deadline` if there is one; any other
-/// refusal is returned at once.
-pub(super) async fn while_queue_full<R, T>(
-    mut record: R,
-    deadline: Option<tokio::time::Instant>,
-    send: impl Fn(R) -> Result<T, (KafkaError, R)>,
-) -> KafkaResult<T> {
-    loop {
-        match send(record) {
-            Ok(sent) => return Ok(sent),
-            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
-                if deadline.is_none_or(|d| tokio::time::Instant::now() < d) =>
-            {
-                record = back;
-                tokio::time::sleep(QUEUE_FULL_RETRY).await;
-            }
-            Err((e, _)) => return Err(e),
-        }
-    }
 }
 
 /// A Kafka client librdkafka refused to create. The message is librdkafka's

@@ -1,8 +1,8 @@
 //! Kafka: the group consumer (manual offsets, rebalance bookkeeping) and
 //! the dead-letter producer. `clients` builds every client from the
 //! settings; `context` holds their callbacks (logs, rebalances, commits,
-//! statistics); this file, the names they share (header names, error kinds,
-//! group events).
+//! statistics); `queue` hands records to a producer's local queue; this
+//! file, the names they share (header names, error kinds, group events).
 //!
 //! Offsets: `enable.auto.offset.store=false` and `enable.auto.commit=false`.
 //! After a batch is durably handled, the pipeline stores the *next* offset
@@ -23,18 +23,17 @@ mod context;
 mod dead_letter;
 mod group;
 pub mod headers;
+mod queue;
 pub mod stall;
 
 pub use acked::AckedProducer;
 pub use clients::{
     admin, bulk_producer, check_options, consumer, dead_letter_producer, end_offsets,
-    end_offsets_client, enqueue, partitions, producer, reader_client, GroupConsumer, SetupError,
+    end_offsets_client, partitions, producer, reader_client, GroupConsumer, SetupError,
 };
 pub use context::{link_failure, ConsumerCtx, Producer, ScrubbedLogs};
-pub use dead_letter::{
-    decode_record, position_text, replay_origin, send_dead_letter, DeadLetter, H_REPLAY_OF,
-    OUR_HEADER_PREFIX,
-};
+pub use dead_letter::{send_dead_letter, DeadLetter, OUR_HEADER_PREFIX};
+pub use queue::enqueue;
 
 /// Header names on dead-letter records.
 pub const H_ERROR_KIND: &str = "tradebucket.error.kind";

@@ -59,6 +59,18 @@ label_set! {
         Mongodb => "mongodb",
         DeadLetter => "dead_letter",
         Commit => "commit",
+        SchemaRegistry => "schema_registry",
+    }
+}
+
+label_set! {
+    /// `kind` of `tradebucket_schema_registry_errors_total`: what a schema
+    /// fetch met. `unavailable` holds the partition and is retried; the
+    /// others dead-letter the records that name the schema.
+    RegistryErrorKind {
+        Unavailable => "unavailable",
+        NotFound => "not_found",
+        InvalidSchema => "invalid_schema",
     }
 }
 

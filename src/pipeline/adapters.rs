@@ -23,7 +23,7 @@ use crate::event::{Source, Trade};
 use crate::health::Health;
 use crate::kafka::stall::{self, StallWatch};
 use crate::kafka::{self, ConsumerCtx, DeadLetter, GroupEvent};
-use crate::metrics::{CommitResult, Metrics, RetryKind, TimeoutOperation};
+use crate::metrics::{CommitResult, Metrics, RetryKind};
 use crate::offsets::TopicPartition;
 
 pub(crate) struct KafkaIntake {
@@ -311,11 +311,11 @@ pub(crate) async fn watch_mongodb(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(timeouts.mongodb_ping_interval) => {}
         }
-        let ping = tokio::time::timeout(timeouts.mongodb_ping, store.ping()).await;
-        if ping.is_err() {
-            metrics.timeout(TimeoutOperation::MongodbPing).inc();
+        let ping = store.ping().await;
+        if let Some(operation) = ping.as_ref().err().and_then(StoreError::timeout_operation) {
+            metrics.timeout(operation).inc();
         }
-        let ok = matches!(ping, Ok(Ok(())));
+        let ok = ping.is_ok();
         if health.mongodb_reachable(ok) {
             if ok {
                 tracing::info!("MongoDB reachable again");
@@ -327,15 +327,16 @@ pub(crate) async fn watch_mongodb(
 }
 
 /// How often the partition watcher looks (twice per statistics interval
-/// would find nothing new), and its ListOffsets time limit.
+/// would find nothing new).
 const PARTITION_CHECK_EVERY: Duration = Duration::from_secs(10);
-const END_OFFSETS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Keeps `Health::stalled_partitions` and its gauge current: asks Kafka
-/// where the suspects of `stalls` end (see [`crate::kafka::stall`]).
+/// where the suspects of `stalls` end (see [`crate::kafka::stall`]), each
+/// time waiting at most `limit` (`timeouts.kafka_request`).
 pub(crate) async fn watch_partitions(
     stalls: Arc<Mutex<StallWatch>>,
     client: rdkafka::consumer::BaseConsumer<kafka::ScrubbedLogs>,
+    limit: Duration,
     health: Arc<Health>,
     metrics: Metrics,
     shutdown: CancellationToken,
@@ -351,7 +352,7 @@ pub(crate) async fn watch_partitions(
             Ok(watch) => watch.suspects(Instant::now()),
             Err(_) => return,
         };
-        let Some(found) = judge(&client, suspects).await else {
+        let Some(found) = judge(&client, suspects, limit).await else {
             continue; // Kafka did not answer: judge again next time
         };
         let now: Vec<String> = found.iter().map(ToString::to_string).collect();
@@ -368,15 +369,14 @@ pub(crate) async fn watch_partitions(
 async fn judge(
     client: &Arc<rdkafka::consumer::BaseConsumer<kafka::ScrubbedLogs>>,
     suspects: Vec<(TopicPartition, i64)>,
+    limit: Duration,
 ) -> Option<Vec<stall::Stalled>> {
     if suspects.is_empty() {
         return Some(Vec::new());
     }
     let tps: Vec<TopicPartition> = suspects.iter().map(|(tp, _)| tp.clone()).collect();
     let client = client.clone();
-    let ends =
-        tokio::task::spawn_blocking(move || kafka::end_offsets(&client, &tps, END_OFFSETS_TIMEOUT))
-            .await;
+    let ends = tokio::task::spawn_blocking(move || kafka::end_offsets(&client, &tps, limit)).await;
     match ends {
         Ok(Ok(ends)) => Some(stall::stalled(&suspects, &ends)),
         Ok(Err(e)) => {

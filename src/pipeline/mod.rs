@@ -1,23 +1,17 @@
 //! The worker: fetch -> batch -> decode -> write buckets -> dead-letter
-//! -> commit, pipelined (see [`worker`]): the next batch is filled and
-//! decoded while the current one is written, and a handled batch is
-//! committed without waiting.
-//!
-//! Offsets are committed only after every event of a batch is handled:
-//! written at the configured write concern, found already stored, or
-//! acknowledged by the dead-letter topic. A failure anywhere before that
-//! retries with backoff ([`crate::retry`]); nothing is skipped to make
-//! progress.
-//!
-//! The loop talks to Kafka and MongoDB through the traits in [`seams`], so
-//! its timing and ordering rules are unit-tested on a paused clock
-//! (`tests.rs`); [`adapters`] has the production implementations.
+//! -> commit, pipelined. The loop ([`worker`]) and its batches
+//! ([`batches`]), the write stage ([`stage`]), the seams it talks to Kafka
+//! and MongoDB through ([`seams`], unit-tested on a paused clock in
+//! `tests.rs`) and their production side ([`adapters`]); this file starts
+//! it all. Why it is shaped so: docs/design.md, "Shape", "The pipelined
+//! loop" and "Offsets: commit after write".
 
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
 mod adapters;
+mod batches;
 mod seams;
 mod stage;
 #[cfg(test)]
@@ -38,6 +32,7 @@ use crate::event::Mappings;
 use crate::health::Health;
 use crate::kafka;
 use crate::metrics::Metrics;
+use crate::registry::Formats;
 use crate::retry::Backoff;
 
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +43,8 @@ pub enum PipelineError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Mapping(#[from] MappingError),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::ClientError),
     /// librdkafka says the consumer cannot go on (for example a static
     /// member fenced by another with its `group.instance.id`).
     #[error("fatal Kafka consumer error: {0}")]
@@ -74,6 +71,7 @@ impl Pipeline {
         }
         // Checked when the settings were loaded; compiled once, here.
         let mappings = Mappings::from_settings(&settings)?;
+        let formats = Arc::new(Formats::from_settings(&settings, metrics.clone())?);
         let store = BucketStore::connect(&settings).await?;
         if !create_indexes(&store, &settings, shutdown).await? {
             return Ok(None);
@@ -99,6 +97,7 @@ impl Pipeline {
         tokio::spawn(watch_partitions(
             group.stalls.clone(),
             kafka::end_offsets_client(&settings)?,
+            settings.timeouts.kafka_request,
             health.clone(),
             metrics.clone(),
             shutdown.clone(),
@@ -108,7 +107,7 @@ impl Pipeline {
         health.tick();
         let worker = Worker::new(
             settings,
-            mappings,
+            (mappings, formats),
             intake,
             writer,
             dead_letters,
@@ -181,16 +180,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
 }
 
 /// Builds and runs the pipeline on a thread of its own with a
-/// single-threaded runtime, and waits for it.
-///
-/// Why: the pipeline's work is one task (the loop, with the write stage
-/// inside it), and on a multi-threaded runtime every MongoDB reply and
-/// timer reached it through another thread's I/O driver, a wake-up and a
-/// context switch each time: a quarter of the worker's CPU went to the
-/// kernel's scheduler (docs/benchmarks.md, "The runtime"). On one thread
-/// the loop drives its own sockets and timers. The HTTP endpoints stay on
-/// the caller's runtime, so `/healthz` and `/metrics` answer even while
-/// the loop blocks in a synchronous commit.
+/// single-threaded runtime, and waits for it (why: docs/design.md,
+/// "Shape"). The HTTP endpoints stay on the caller's runtime.
 async fn on_own_thread(
     settings: Settings,
     metrics: Metrics,
@@ -215,10 +206,8 @@ async fn on_own_thread(
             result
         })?;
     // Joined, not just heard from: the process must not exit while this
-    // thread still destroys a client. A librdkafka client destroyed here
-    // while the main thread ran the process's exit handlers corrupted the
-    // heap ("malloc_consolidate(): invalid chunk size": a SIGTERM that did
-    // not exit 0, chaos s2).
+    // thread still destroys a client, whose threads would run into the
+    // exit handlers and corrupt the heap.
     match tokio::task::spawn_blocking(move || thread.join()).await? {
         Ok(result) => result.map_err(Into::into),
         Err(_) => anyhow::bail!("the pipeline thread panicked (see the log)"),

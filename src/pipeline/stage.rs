@@ -20,10 +20,13 @@ use crate::bucket::writer::{Outcome, WriteStats};
 use crate::config::Settings;
 use crate::event::{CustomerId, Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
-use crate::kafka::{self, DeadLetter};
+use crate::kafka::DeadLetter;
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
+use crate::registry::{Decode, Formats, SchemaId};
 use crate::retry::Backoff;
 use crate::throttle::Throttle;
+
+mod schemas;
 
 /// A batch's events after decoding.
 #[derive(Default)]
@@ -33,6 +36,10 @@ pub struct Decoded {
     record_of: Vec<usize>,
     /// Records to dead-letter, by batch index, with why.
     dead: Vec<(usize, Reject)>,
+    /// Avro and Protobuf records whose writer's schema is not in memory,
+    /// by batch index, with its id: the stage fetches the schemas before
+    /// it writes the batch (`schemas`).
+    pending: Vec<(usize, SchemaId)>,
 }
 
 impl Decoded {
@@ -65,6 +72,33 @@ impl Closed {
             backlog: false,
         }
     }
+}
+
+/// What the loop tells the stage with a batch (see `Worker::handling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Handling {
+    pub cache: Cache,
+    pub partial: Partial,
+}
+
+/// The stage's cached buckets, before a batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) enum Cache {
+    /// Kept: no partition was revoked since the last batch.
+    #[default]
+    Keep,
+    /// Forgotten first: a partition was revoked since the last batch, and
+    /// another instance may now write our former customers.
+    Forget,
+}
+
+/// What a batch does with trades that would only part-fill a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Partial {
+    /// Holds them back for a later batch (see [`Held`]).
+    Hold,
+    /// Writes them, and every trade held before.
+    Write,
 }
 
 /// A trade a batch held back ([`Outcome::Held`]), with its record: its
@@ -110,6 +144,10 @@ pub(super) struct Stage<B, D> {
     held: HashMap<CustomerId, Vec<Held>, foldhash::fast::RandomState>,
     /// How many trades `held` holds.
     held_count: usize,
+    /// For the records whose schema the stage fetches: how each topic is
+    /// read, as in `decode_batch`.
+    mappings: Arc<Mappings>,
+    formats: Arc<Formats>,
 }
 
 impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
@@ -119,8 +157,11 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         settings: Settings,
         metrics: Metrics,
         health: Arc<Health>,
+        (mappings, formats): (Arc<Mappings>, Arc<Formats>),
     ) -> Self {
         Stage {
+            mappings,
+            formats,
             buckets,
             dead_letters,
             settings,
@@ -137,24 +178,22 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         self.held_count > 0
     }
 
-    /// Handles `batch` and hands the stage back with the result. `forget`:
-    /// a revocation happened since the last batch, so cached buckets are
-    /// forgotten first (another instance may now write our former
-    /// customers). A batch being written when it happened goes on with its
-    /// cache: every write is guarded, so a stale entry costs a conflict,
-    /// never a wrong write.
+    /// Handles `batch` and hands the stage back with the result. A batch
+    /// being written when a revocation happened goes on with its cache:
+    /// every write is guarded, so a stale entry costs a conflict, never a
+    /// wrong write; the next batch comes with [`Cache::Forget`].
     ///
     /// The trades held by earlier batches are written first, before this
-    /// batch's (each customer's order). `hold`: this batch may hold trades
-    /// back in turn (it closed under a backlog, and no revocation or
-    /// shutdown came since); the done records are then all but the held
-    /// ones'.
-    pub async fn handle(mut self, batch: Closed, forget: bool, hold: bool) -> (Self, Done) {
+    /// batch's (each customer's order). With [`Partial::Hold`] this batch
+    /// may hold trades back in turn; the done records are then all but the
+    /// held ones'.
+    pub async fn handle(mut self, batch: Closed, handling: Handling) -> (Self, Done) {
         let started = TokioInstant::now();
-        if forget {
+        if handling.cache == Cache::Forget {
             self.buckets.forget_all();
         }
-        let (mut work, hold_from) = self.with_held(batch, hold, started);
+        let batch = self.resolve_schemas(batch).await;
+        let (mut work, hold_from) = self.with_held(batch, handling.partial, started);
         let (outcomes, stats) = self.write_until_done(&work.events, hold_from).await;
         let mut counts = OutcomeCounts::default();
         let mut held = Vec::new();
@@ -190,10 +229,15 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     /// the others wait, unplanned, for a batch that brings their customer.
     /// A write that may not hold, or whose held trades would pass
     /// `batch.hold_trades`, takes them all and holds nothing.
-    fn with_held(&mut self, batch: Closed, hold: bool, now: TokioInstant) -> (Work, Option<usize>) {
+    fn with_held(
+        &mut self,
+        batch: Closed,
+        partial: Partial,
+        now: TokioInstant,
+    ) -> (Work, Option<usize>) {
         let limits = &self.settings.batch;
         let events = batch.decoded.events.len();
-        let hold = hold && self.held_count + events <= limits.hold_trades;
+        let hold = partial == Partial::Hold && self.held_count + events <= limits.hold_trades;
         let (taken, expired) = if hold {
             self.take_due(&batch.decoded.events, now)
         } else {
@@ -396,6 +440,7 @@ impl Work {
             events,
             record_of,
             dead,
+            pending: _,
         } = batch.decoded;
         let mut work = Work {
             events: Vec::with_capacity(n + events.len()),
@@ -420,11 +465,20 @@ impl Work {
 /// Decodes every record; the undecodable ones are to be dead-lettered.
 /// A topic with an input mapping is read by it (`event::mapping`); any
 /// other by the default schema, exactly as without mappings.
-pub fn decode_batch(batch: &[Record], mappings: &Mappings, max_bytes: usize) -> Decoded {
+///
+/// An Avro or Protobuf record whose schema is not in memory is left
+/// pending, for the stage to fetch its schema (see `schemas`).
+pub fn decode_batch(
+    batch: &[Record],
+    mappings: &Mappings,
+    formats: &Formats,
+    max_bytes: usize,
+) -> Decoded {
     let mut d = Decoded {
         events: Vec::with_capacity(batch.len()),
         record_of: Vec::with_capacity(batch.len()),
         dead: Vec::new(),
+        pending: Vec::new(),
     };
     for (i, r) in batch.iter().enumerate() {
         let source = r.source();
@@ -434,13 +488,13 @@ pub fn decode_batch(batch: &[Record], mappings: &Mappings, max_bytes: usize) -> 
             headers: &r.headers,
         };
         let mapping = mappings.get(&source.topic).map(AsRef::as_ref);
-        let decoded = kafka::decode_record(parts, mapping, &source, max_bytes);
-        match decoded {
-            Ok(trade) => {
+        match formats.decode(parts, mapping, &source, max_bytes, None) {
+            Decode::Done(Ok(trade)) => {
                 d.events.push((trade, source));
                 d.record_of.push(i);
             }
-            Err(reject) => d.dead.push((i, reject)),
+            Decode::Done(Err(reject)) => d.dead.push((i, reject)),
+            Decode::Missing(id) => d.pending.push((i, id)),
         }
     }
     d

@@ -305,7 +305,7 @@ impl Harness {
         let metrics = Metrics::new();
         let worker = Worker::new(
             settings,
-            crate::event::Mappings::default(),
+            (crate::event::Mappings::default(), Default::default()),
             intake,
             buckets,
             dead_letters,

@@ -1,24 +1,13 @@
-//! The pipelined loop. One task, three overlapping activities:
+//! The pipelined loop: one task that fills batches, has the write stage
+//! write them and commits their offsets, all three overlapping; at the
+//! in-flight bound it holds the consumer, pausing its partitions after
+//! [`HOLD_GRACE`]. How and why: docs/design.md, "The pipelined loop".
 //!
-//! - **fill**: records from the consumer go into the open batch; it closes
-//!   when full, or when the write stage is free and the consumer has
-//!   nothing more queued (a light load is written at once; under a backlog
-//!   the batch grows while the previous one is written), and is decoded;
-//! - **write**: the [`Stage`] takes closed batches one at a time, in order
-//!   (which keeps each customer's order), and hands each back handled;
-//! - **commit**: a handled batch's offsets are marked and committed
-//!   asynchronously (the tracker commits per partition only the prefix of
-//!   consumed offsets that is handled, so batches commit in order).
-//!
-//! At most `batch.max_in_flight` batches (the open one included) exist at
-//! once. At the bound the loop *holds*: it takes no more records; after
-//! [`HOLD_GRACE`] it pauses every assigned partition and polls the
-//! consumer again (librdkafka counts `max.poll.interval.ms` from the last
-//! poll), so a write retried through a long outage costs no rebalance and
-//! no memory. Whatever still arrives while paused is kept: a delivered
-//! record is never dropped.
+//! The loop owns the consumer, its phase ([`Phase`]), the hold ([`Hold`])
+//! and the commits; the batches and the idle write stage are
+//! [`Batches`]'.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,8 +18,9 @@ use prometheus::Histogram;
 use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
 
+use super::batches::Batches;
 use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record};
-use super::stage::{decode_batch, Closed, Done, Stage};
+use super::stage::{Cache, Closed, Done, Handling, Partial, Stage};
 use super::PipelineError;
 use crate::config::Settings;
 use crate::event::Mappings;
@@ -38,7 +28,7 @@ use crate::health::{now_ms, Health};
 use crate::kafka::GroupEvent;
 use crate::metrics::{ConsumerErrorKind, DelayStage, Metrics, SkipReason};
 use crate::offsets::{OffsetTracker, TopicPartition};
-use crate::ratelimit::RateLimit;
+use crate::registry::Formats;
 use crate::throttle::Throttle;
 
 /// How long the loop may hold (take no records) before it pauses its
@@ -50,15 +40,6 @@ pub(super) const HOLD_GRACE: Duration = Duration::from_secs(5);
 
 /// How often an idle loop turns (and ticks liveness) without a record.
 const IDLE_TICK: Duration = Duration::from_secs(1);
-
-/// The batch being filled.
-#[derive(Default)]
-struct Open {
-    records: Vec<Record>,
-    bytes: usize,
-    /// When its first record came (the linger bound counts from it).
-    since: Option<TokioInstant>,
-}
 
 /// Backpressure at the in-flight bound (see `Worker::hold_or_release`).
 #[derive(Debug, Default, PartialEq)]
@@ -157,17 +138,10 @@ enum Wake<B, D> {
 /// [`DeadLetterSink`].
 pub(crate) struct Worker<I, B, D> {
     settings: Settings,
-    /// The topics' input mappings, compiled once (`event::mapping`).
-    mappings: Mappings,
     intake: I,
     phase: Phase,
-    /// The write stage while idle; `None` while it writes: its future (a
-    /// local of `run`, so that its type stays concrete and `Send` where B
-    /// and D are) holds it then.
-    stage: Option<Stage<B, D>>,
-    open: Open,
-    /// Closed batches waiting for the stage, oldest first.
-    queued: VecDeque<Closed>,
+    /// From the open batch to the write stage.
+    batches: Batches<B, D>,
     tracker: OffsetTracker,
     /// The partitions this member owns, from the intake's group events.
     assignment: BTreeSet<TopicPartition>,
@@ -180,58 +154,42 @@ pub(crate) struct Worker<I, B, D> {
     /// record, so looked up once.
     in_kafka: Histogram,
     health: Arc<Health>,
-    /// A revocation since the last dispatch: the stage forgets its cached
-    /// buckets before its next batch (see `Stage::handle`).
-    forget: bool,
+    /// [`Cache::Forget`] after a revocation, until the next dispatch.
+    cache: Cache,
     consumer_error_log: Throttle,
-    /// `rate_limit.events_per_second`, reserved for each batch before it
-    /// goes to the stage.
-    rate_limit: RateLimit,
-    /// When the oldest queued batch, already reserved under the rate
-    /// limit, may go to the stage.
-    write_at: Option<TokioInstant>,
-    /// Since when the stage, holding trades, has had nothing to write.
-    idle_since: Option<TokioInstant>,
-    /// Whether the last batch closed full (see `close`).
-    last_full: bool,
 }
 
 impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     pub fn new(
         settings: Settings,
-        mappings: Mappings,
+        (mappings, formats): (Mappings, Arc<Formats>),
         intake: I,
         buckets: B,
         dead_letters: D,
         metrics: Metrics,
         health: Arc<Health>,
     ) -> Self {
+        let mappings = Arc::new(mappings);
         let stage = Stage::new(
             buckets,
             dead_letters,
             settings.clone(),
             metrics.clone(),
             health.clone(),
+            (mappings.clone(), formats.clone()),
         );
         Worker {
-            mappings,
+            batches: Batches::new(&settings, (mappings, formats), metrics.clone(), stage),
             intake,
-            stage: Some(stage),
-            open: Open::default(),
-            queued: VecDeque::new(),
             tracker: OffsetTracker::new(),
             assignment: BTreeSet::new(),
             hold: Hold::Free,
             in_kafka: metrics.stage_delay(DelayStage::InKafka),
             metrics,
             health,
-            forget: false,
+            cache: Cache::Keep,
             phase: Phase::Running,
             consumer_error_log: Throttle::hot_path(),
-            rate_limit: RateLimit::new(settings.rate_limit.events_per_second),
-            write_at: None,
-            idle_since: None,
-            last_full: false,
             settings,
         }
     }
@@ -248,22 +206,12 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut writing = None;
         loop {
-            self.health.tick();
-            self.apply_group_events();
-            if shutdown.is_cancelled() && self.phase.drain(self.settings.shutdown.drain_timeout) {
-                self.health.draining();
+            let running = self.turn(&shutdown);
+            if let Some((stage, batch)) = self.batches.dispatch() {
+                let handling = self.handling(&batch);
+                writing = Some(Box::pin(stage.handle(batch, handling)));
             }
-            let running = self.phase.running();
-            if running {
-                self.fill();
-            } else {
-                self.close();
-            }
-            self.flush_held();
-            if let Some((stage, batch, forget, hold)) = self.dispatch() {
-                writing = Some(Box::pin(stage.handle(batch, forget, hold)));
-            }
-            if !running && self.stage_free() {
+            if !running && self.batches.stage_free() {
                 break;
             }
             let polling = running && self.hold_or_release();
@@ -273,9 +221,9 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                 (stage, done) = written(&mut writing) => Wake::Written(Box::new(stage), done),
                 _ = shutdown.cancelled(), if deadline.is_none() => Wake::Tick,
                 _ = sleep_until(deadline) => Wake::DrainOver,
-                _ = sleep_until(self.write_at) => Wake::Tick,
+                _ = sleep_until(self.batches.write_at()) => Wake::Tick,
                 _ = sleep_until(self.pause_due()), if running => Wake::Tick,
-                _ = sleep_until(self.flush_due()), if running => Wake::Tick,
+                _ = sleep_until(self.batches.flush_due()), if running => Wake::Tick,
                 r = self.intake.recv(), if polling => Wake::Received(r),
                 _ = ticker.tick() => Wake::Tick,
             };
@@ -291,7 +239,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                 Wake::DrainOver => {
                     tracing::warn!(
                         drain_timeout = ?self.settings.shutdown.drain_timeout,
-                        batches = self.queued.len() + 1,
+                        batches = self.batches.queued() + 1,
                         "in-flight batches abandoned at shutdown; their uncommitted events will be redelivered"
                     );
                     break;
@@ -324,69 +272,46 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
         end
     }
 
-    /// Batches in flight besides the open one: being written or waiting.
-    fn closed_in_flight(&self) -> usize {
-        self.queued.len() + usize::from(self.stage.is_none())
-    }
-
-    /// Whether the bound leaves room for the open batch: fewer than
-    /// `batch.max_in_flight` batches are closed (the open one is the
-    /// last). Records that arrive while held (the consumer is polled while
-    /// paused, and a partition assigned meanwhile may deliver before it is
-    /// paused) are kept in the open batch, but give it no room: it neither
-    /// grows on from them nor closes until a closed batch is handled.
-    fn room(&self) -> bool {
-        self.closed_in_flight() < self.settings.batch.max_in_flight
-    }
-
-    /// Whether the open batch is full.
-    fn full(&self) -> bool {
-        let limits = &self.settings.batch;
-        // Under a rate limit a batch holds one second of it at most, so a
-        // batch's wait for the limit stays about a second.
-        let max_events = self.rate_limit.batch_cap(limits.max_events);
-        self.open.records.len() >= max_events || self.open.bytes >= limits.max_bytes
-    }
-
-    /// Whether the open batch may take another record.
-    fn may_take(&self) -> bool {
-        self.room() && !self.full()
+    /// A turn's start: liveness, the group's news, shutdown asked; then
+    /// the open batch filled (or, once no records are taken, closed) and
+    /// held trades flushed when due. Returns whether the loop was taking
+    /// records as the turn began: the rest of the turn goes by that.
+    fn turn(&mut self, shutdown: &CancellationToken) -> bool {
+        self.health.tick();
+        self.apply_group_events();
+        if shutdown.is_cancelled() && self.phase.drain(self.settings.shutdown.drain_timeout) {
+            self.health.draining();
+        }
+        let running = self.phase.running();
+        if running {
+            self.fill();
+        } else {
+            self.batches.close(self.tracker.in_flight());
+        }
+        // A fatal error met by the fill counts already.
+        self.batches.flush_held(self.phase.running());
+        running
     }
 
     /// Takes what the consumer has queued, without waiting, while the open
-    /// batch may grow; closes it when full, or when the stage is free and
-    /// nothing more is queued (or the linger bound passed).
+    /// batch may grow; closes it when due (see [`Batches::close_if_due`]).
     ///
     /// The wall clock is read once per call, not per record: a call takes
     /// at most what librdkafka has prefetched (`queued.max.messages`), a
     /// millisecond or two, below the `in_kafka` histogram's resolution.
     fn fill(&mut self) {
         let (now, in_kafka) = (now_ms(), self.in_kafka.local());
-        while self.may_take() && self.phase.running() {
+        while self.batches.may_take() && self.phase.running() {
             match self.intake.recv().now_or_never() {
                 Some(r) => self.received(r, now, &in_kafka),
                 None => break, // nothing queued
             }
-            if self.stage_free() && self.lingered() {
+            if self.batches.linger_over() {
                 break;
             }
         }
         in_kafka.flush();
-        let due = self.full() || self.stage_free();
-        if !self.open.records.is_empty() && self.room() && due {
-            self.close();
-        }
-    }
-
-    /// The stage is idle and nothing waits for it: a batch closed now is
-    /// written at once.
-    fn stage_free(&self) -> bool {
-        self.stage.is_some() && self.queued.is_empty()
-    }
-
-    fn lingered(&self) -> bool {
-        let linger = self.settings.batch.linger;
-        self.open.since.is_some_and(|t| t.elapsed() >= linger)
+        self.batches.close_if_due(self.tracker.in_flight());
     }
 
     /// Takes a record into the open batch; `now` is the wall clock's
@@ -398,142 +323,27 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                     in_kafka.observe(seconds_between(ts, now));
                 }
                 self.tracker.consumed(&record.tp, record.offset);
-                self.open.bytes += record.size();
-                self.open.since.get_or_insert_with(TokioInstant::now);
-                self.open.records.push(record);
+                self.batches.take(record);
             }
             Err(e) => self.consumer_error(&e),
         }
     }
 
-    /// Closes the open batch (if it holds anything), decodes it and queues
-    /// it for the stage.
-    fn close(&mut self) {
-        if self.open.records.is_empty() {
-            return;
-        }
-        // Full: it filled to its bound before the stage was free for it,
-        // so records come faster than they are written (a backlog). The
-        // batch after a full one is still part of it even if short:
-        // mid-backlog the stage often frees up while librdkafka's queue is
-        // momentarily empty, and ending the backlog there wrote every held
-        // trade as a part-filled bucket (docs/design.md, "Holding partial
-        // buckets under a backlog"). Two short batches in a row end it.
-        let full = self.full();
-        let was_full = std::mem::replace(&mut self.last_full, full);
-        let backlog = full || was_full;
-        // The next batch starts with this one's size reserved: under a
-        // backlog it fills to the same bound, so it is not grown by
-        // doubling (a copy of every record so far at each step, and large
-        // blocks freed and asked for again); under light load it is small.
-        let next = Open {
-            records: Vec::with_capacity(self.open.records.len()),
-            ..Open::default()
-        };
-        let open = std::mem::replace(&mut self.open, next);
-        if let Some(since) = open.since {
-            self.observe_stage(DelayStage::Batching, since.elapsed());
-        }
-        self.metrics
-            .events_consumed
-            .inc_by(open.records.len() as u64);
-        self.metrics
-            .in_flight_events
-            .set(self.tracker.in_flight() as i64);
-        let max_bytes = self.settings.kafka.max_message_bytes;
-        let decoding = TokioInstant::now();
-        let decoded = decode_batch(&open.records, &self.mappings, max_bytes);
-        self.observe_stage(DelayStage::Decode, decoding.elapsed());
-        self.queued.push_back(Closed {
-            records: open.records,
-            decoded,
-            closed: TokioInstant::now(),
-            backlog,
-        });
-    }
-
-    /// Queues a batch of no records when held trades would otherwise wait:
-    /// the stage is idle with nothing to write and the open batch stays
-    /// empty for [`Self::idle_flush_after`], or the loop no longer takes
-    /// records (shutdown, a fatal error). It is dispatched at once:
-    /// nothing else is queued.
-    fn flush_held(&mut self) {
-        let idle = self.stage_free() && self.open.records.is_empty();
-        if !idle || !self.stage.as_ref().is_some_and(|s| s.holds()) {
-            self.idle_since = None;
-            return;
-        }
-        let since = *self.idle_since.get_or_insert_with(TokioInstant::now);
-        if self.phase.running() && since.elapsed() < self.idle_flush_after() {
-            return;
-        }
-        self.idle_since = None;
-        self.queued.push_back(Closed::flush());
-    }
-
-    /// How long the loop has nothing to write before it writes its held
-    /// trades: two fetch waits and the linger. A broker answers a fetch as
-    /// soon as it has data and holds it at most `kafka.fetch_wait_max`
-    /// when it has none, so a whole wait without a record means the
-    /// backlog is over; the local stand-in holds every fetch to the end of
-    /// the wait, so a gap of up to two waits is normal there mid-backlog.
-    /// At `batch.linger` alone, such gaps wrote every held trade as a
-    /// part-filled bucket twice in a million-event backlog (21,000 fills
-    /// later completing them).
-    fn idle_flush_after(&self) -> Duration {
-        self.settings.batch.linger + 2 * self.settings.kafka.fetch_wait_max
-    }
-
-    /// When an idle loop flushes its held trades (see `flush_held`).
-    fn flush_due(&self) -> Option<TokioInstant> {
-        self.idle_since.map(|t| t + self.idle_flush_after())
-    }
-
-    /// The one place a batch goes to the write stage, oldest first, once
-    /// the rate limit lets its events through. Waiting for the limit, the
-    /// batch stays queued: the in-flight bound is reached, and the loop
-    /// holds the consumer as for any other backpressure (`hold_or_release`:
-    /// partitions paused and the consumer polled after the grace), so a low
-    /// limit never costs a rebalance.
-    ///
-    /// The batch may hold trades back if it closed under a backlog and
-    /// neither a revocation nor shutdown came since: a revoked partition's
-    /// trades are written now, for the new owner's sake, and so are all of
-    /// them when the loop stops.
-    fn dispatch(&mut self) -> Option<(Stage<B, D>, Closed, bool, bool)> {
-        if self.stage.is_none() || !self.rate_limit_passed()? {
-            return None;
-        }
-        let stage = self.stage.take()?;
-        let batch = self.queued.pop_front()?;
-        self.observe_stage(DelayStage::Queued, batch.closed.elapsed());
-        let forget = std::mem::take(&mut self.forget);
-        let hold = batch.backlog && !forget && self.phase.running();
-        Some((stage, batch, forget, hold))
-    }
-
-    /// Whether the oldest queued batch may be written now; `None` if
-    /// nothing is queued. Its events are reserved once, the wait counted
-    /// in `tradebucket_throttled_seconds_total`, and `write_at` wakes the
-    /// loop when it is over.
-    fn rate_limit_passed(&mut self) -> Option<bool> {
-        let events = self.queued.front()?.decoded.events();
-        let now = TokioInstant::now();
-        let at = *self.write_at.get_or_insert_with(|| {
-            let wait = self.rate_limit.reserve(events, now);
-            self.metrics.throttled_seconds.inc_by(wait.as_secs_f64());
-            now + wait
-        });
-        if at > now {
-            return Some(false);
-        }
-        self.write_at = None;
-        Some(true)
+    /// What the stage is told with `batch`: to forget its cached buckets
+    /// after a revocation; and that the batch may hold trades back if it
+    /// closed under a backlog and neither a revocation nor shutdown came
+    /// since: a revoked partition's trades are written now, for the new
+    /// owner's sake, and so are all of them when the loop stops.
+    fn handling(&mut self, batch: &Closed) -> Handling {
+        let cache = std::mem::take(&mut self.cache);
+        let hold = batch.backlog && cache == Cache::Keep && self.phase.running();
+        let partial = if hold { Partial::Hold } else { Partial::Write };
+        Handling { cache, partial }
     }
 
     /// A batch is handled: its offsets may be committed.
     fn finish(&mut self, stage: Stage<B, D>, done: Done) {
-        self.stage = Some(stage);
+        self.batches.stage_back(stage);
         self.observe_stage(DelayStage::Writing, done.started.elapsed());
         for r in &done.records {
             self.tracker.handled(&r.tp, r.offset);
@@ -547,7 +357,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     /// Releases (resumes) once there is room. `true` if the consumer is to
     /// be polled.
     fn hold_or_release(&mut self) -> bool {
-        if self.may_take() {
+        if self.batches.may_take() {
             if let Hold::Paused(paused) = std::mem::take(&mut self.hold) {
                 let paused: Vec<TopicPartition> = paused.into_iter().collect();
                 tracing::info!(partitions = paused.len(), "resuming the consumer");
@@ -626,18 +436,10 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
 
     /// Follows the assignment. After a revocation, the stage forgets its
     /// cached buckets before its next batch: another instance may now
-    /// write our former customers.
-    ///
-    /// Records of revoked partitions, in the open batch, queued or being
-    /// written, are *kept* and written. A record librdkafka has delivered
-    /// may not be delivered again: when a partition is revoked and handed
-    /// straight back, it resumes after the last delivered record, not at
-    /// the committed offset, so dropping them would lose those trades.
-    /// Writing them is safe whoever owns the
-    /// partition now, because every write is guarded; only their commit is
-    /// left to the owner (see `commit`), and the tracker keeps them in
-    /// flight so that, handed back, the partition commits nothing past
-    /// them before they are handled.
+    /// write our former customers. Records of revoked partitions already
+    /// taken are *kept* and written, and only their commit is left to the
+    /// owner (see `commit`): a delivered record may not be delivered again
+    /// (docs/design.md, "Offsets: commit after write", on rebalances).
     fn apply_group_events(&mut self) {
         for event in self.intake.group_events() {
             match event {
@@ -654,7 +456,7 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
                         self.assignment.remove(tp);
                         self.tracker.revoked(tp);
                     }
-                    self.forget = true;
+                    self.cache = Cache::Forget;
                 }
             }
         }

@@ -23,9 +23,9 @@ use crate::bucket::store::{BucketStore, StoreError};
 use crate::config::{MappingError, Settings};
 use crate::dlq::io::{self as dlq_io, DlqError};
 use crate::dlq::Replay;
-use crate::event::{CustomerId, Mappings, RecordParts, Source};
+use crate::event::{self, CustomerId, Mappings, RecordParts, Source, H_REPLAY_OF};
 use crate::kafka::headers::{self, Header};
-use crate::kafka::{self, ScrubbedLogs, SetupError, H_REPLAY_OF, OUR_HEADER_PREFIX};
+use crate::kafka::{self, ScrubbedLogs, SetupError, OUR_HEADER_PREFIX};
 use crate::ratelimit::RateLimit;
 
 /// Trades looked up in MongoDB per query (two keys each at most).
@@ -406,7 +406,7 @@ impl Check<'_> {
             headers: &headers,
         };
         let mapping = self.mappings.get(&at.topic).map(AsRef::as_ref);
-        let trade = kafka::decode_record(parts, mapping, &at, max);
+        let trade = event::decode_record(parts, mapping, &at, max);
         let trade = trade.ok().map(|t| (t.customer, t.key));
         Read {
             at,
@@ -514,7 +514,7 @@ impl Check<'_> {
 /// (ours left out), and `tradebucket.replay.of` naming the position it was
 /// first read at (its own replay identity if it was a replay already).
 fn replay_of(r: &Read) -> Replay {
-    let identity = kafka::replay_origin(&r.headers)
+    let identity = event::replay_origin(&r.headers)
         .ok()
         .flatten()
         .unwrap_or_else(|| r.at.clone());
@@ -524,7 +524,7 @@ fn replay_of(r: &Read) -> Replay {
         .filter(|(n, _)| !n.starts_with(OUR_HEADER_PREFIX))
         .cloned()
         .collect();
-    let position = kafka::position_text(&identity);
+    let position = event::position_text(&identity);
     headers.push((H_REPLAY_OF.as_bytes().to_vec(), Some(position.into_bytes())));
     Replay {
         topic: r.at.topic.to_string(),

@@ -1,5 +1,5 @@
 //! What tradebucket's integration tests (`tests/it`), chaos suite
-//! (`tests/chaos`) and benchmark (`benches/pipeline.rs`) share, so each
+//! (`tests/chaos`) and benchmark (`benches/pipeline/`) share, so each
 //! exists once:
 //!
 //! - [`event`]: the one builder of valid trade events;
@@ -15,6 +15,8 @@
 //!   errors the local server never sends);
 //! - [`netfault`]: a TCP proxy that black-holes, delays, resets, and
 //!   drops MongoDB write replies after the server applied them;
+//! - [`registry`]: a small Confluent Schema Registry, and confluent-kafka's
+//!   own Avro serializer (Python) producing through it;
 //! - [`servers`]: private MongoDB-protocol servers, Apache Kafka nodes
 //!   and clusters, and Prometheus; free ports, HTTP probes.
 //!
@@ -27,6 +29,7 @@ pub mod netfault;
 pub mod poll;
 pub mod process;
 pub mod proxy;
+pub mod registry;
 pub mod servers;
 pub mod settings;
 pub mod worker;
@@ -40,5 +43,6 @@ pub use netfault::{FaultProxy, Protocol};
 pub use poll::{eventually, poll_until};
 pub use process::{audit_json, Fleet, Log, WorkerProcess, SIGINT, SIGTERM};
 pub use proxy::MongoProxy;
+pub use registry::{produce_avro, SchemaRegistry};
 pub use servers::{free_port, http_get, PrivateKafka, PrivateMongo, Prometheus};
 pub use worker::Worker;

@@ -92,14 +92,26 @@ async fn coordinator_killed_mid_rebalance(name: &'static str, protocol: &str) {
     let mut workers: Vec<(WorkerProcess, u16)> = (0..2).map(|_| start_worker(&mut s)).collect();
     progress(&s, (n / 5) as i64).await;
     let coordinator = coordinator_of(&s).expect("the group has a coordinator");
+    let old: Vec<u16> = workers.iter().map(|w| w.1).collect();
+    let revoked = revocations(&old).await;
     workers.push(start_worker(&mut s));
-    // The join's rebalance is under way: the new member asked to join,
-    // the others are being told to give partitions up.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The join's rebalance is under way once a member is told to give
+    // partitions up (all of them under classic, the moving ones under
+    // consumer), before the newcomer has them.
+    let joined = Instant::now();
+    let moving = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || async { revocations(&old).await > revoked },
+    )
+    .await;
+    assert!(moving, "the join started no rebalance within 60 s");
     s.stack.kafka.kill9_node(coordinator);
     let killed = Instant::now();
     s.fault(format!(
-        "a third worker joins; 0.5 s later kill -9 node {coordinator}, the group's coordinator ({protocol} protocol)"
+        "a third worker joins; at the first revocation ({:.1} s later) kill -9 node {coordinator}, \
+         the group's coordinator ({protocol} protocol)",
+        killed.duration_since(joined).as_secs_f64()
     ));
     let ports: Vec<u16> = workers.iter().map(|w| w.1).collect();
     let settled = all_assigned(&ports, Duration::from_secs(120)).await;
@@ -187,17 +199,27 @@ async fn resumed_on(
     moved.then(Instant::now)
 }
 
-/// Until the workers on `ports` own every partition between them.
+/// Until the workers on `ports` own every partition between them, each
+/// at least one (the newcomer included: the rebalance is over).
 async fn all_assigned(ports: &[u16], limit: Duration) -> Option<Instant> {
     let all = poll_until(limit, POLL, || async {
-        let mut owned = 0;
+        let mut owned = Vec::new();
         for &port in ports {
-            owned += worker_metric(port, ASSIGNED).await.unwrap_or(0);
+            owned.push(worker_metric(port, ASSIGNED).await.unwrap_or(0));
         }
-        owned == PARTITIONS as u64
+        owned.iter().sum::<u64>() == PARTITIONS as u64 && owned.iter().all(|&n| n > 0)
     })
     .await;
     all.then(Instant::now)
+}
+
+/// Revocations the workers on `ports` have seen in all.
+async fn revocations(ports: &[u16]) -> u64 {
+    let mut total = 0;
+    for &port in ports {
+        total += worker_metric(port, REVOKED).await.unwrap_or(0);
+    }
+    total
 }
 
 /// Notes how long after `fault` the workers resumed, or fails the

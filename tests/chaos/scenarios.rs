@@ -49,11 +49,27 @@ async fn s1_crash_loop_kill9_at_random_moments() {
     s.stack
         .wait_broker_responsive(Duration::from_secs(300))
         .await;
-    let total = n as i64;
+    let seen = crash_loop(&mut s, &recs, &placed, kills).await;
+    judge_the_kills(&mut s, seen);
+    let w = s.fleet.start();
+    s.finish(vec![w], &recs, &placed).await;
+}
+
+/// What s1 saw after its kills.
+#[derive(Default)]
+struct Kills {
+    during_ingest: usize,
+    committed_but_not_stored: Vec<String>,
+    audit_violations: Vec<usize>,
+}
+
+/// `kills` lives of the only worker, each killed with kill -9 at a random
+/// moment after a random share of the ingest is committed, and what was
+/// stored and audited right after each kill.
+async fn crash_loop(s: &mut Scenario, recs: &[Rec], placed: &[(i32, i64)], kills: usize) -> Kills {
+    let total = recs.len() as i64;
     let mut rng = StdRng::seed_from_u64(101);
-    let mut during_ingest = 0;
-    let mut not_stored = Vec::new();
-    let mut audits_after_kill = Vec::new();
+    let mut seen = Kills::default();
     for k in 0..kills {
         let w = s.fleet.start();
         let from = s.stack.committed_total();
@@ -78,50 +94,76 @@ async fn s1_crash_loop_kill9_at_random_moments() {
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..250))).await;
         w.kill9();
         let killed_at = Instant::now();
-        let at = s.stack.committed_total();
-        if at < total {
-            during_ingest += 1;
-        }
-        s.fault(format!("kill -9 worker at {at}/{total} committed"));
-        not_stored.extend(committed_but_not_stored(&s.stack, &recs, &placed).await);
-        let audit = s.stack.env.audit(CAPACITY).await;
-        audits_after_kill.push(audit.violations.len());
+        after_a_kill(s, recs, placed, &mut seen).await;
         let rest = SESSION_EXPIRY.saturating_sub(killed_at.elapsed());
         tokio::time::sleep(rest).await;
     }
-    s.note("kills_during_ingest", json!(during_ingest));
+    seen
+}
+
+/// Right after a kill: everything committed is stored and the buckets are
+/// sound.
+async fn after_a_kill(s: &mut Scenario, recs: &[Rec], placed: &[(i32, i64)], seen: &mut Kills) {
+    let total = recs.len() as i64;
+    let at = s.stack.committed_total();
+    if at < total {
+        seen.during_ingest += 1;
+    }
+    s.fault(format!("kill -9 worker at {at}/{total} committed"));
+    let not_stored = committed_but_not_stored(&s.stack, recs, placed).await;
+    seen.committed_but_not_stored.extend(not_stored);
+    let audit = s.stack.env.audit(CAPACITY).await;
+    seen.audit_violations.push(audit.violations.len());
+}
+
+fn judge_the_kills(s: &mut Scenario, seen: Kills) {
+    let not_stored = seen.committed_but_not_stored;
+    s.note("kills_during_ingest", json!(seen.during_ingest));
     s.note(
         "committed_but_not_stored_after_kills",
         json!(not_stored.len()),
     );
-    s.note("audit_violations_after_each_kill", json!(audits_after_kill));
+    s.note(
+        "audit_violations_after_each_kill",
+        json!(seen.audit_violations),
+    );
     if !not_stored.is_empty() {
         s.failures.push(format!(
             "committed but not stored after a kill: {:?}",
             &not_stored[..not_stored.len().min(5)]
         ));
     }
-    if audits_after_kill.iter().any(|&v| v > 0) {
+    if seen.audit_violations.iter().any(|&v| v > 0) {
         s.failures
             .push("audit violations right after a kill".to_string());
     }
-    let w = s.fleet.start();
-    s.finish(vec![w], &recs, &placed).await;
 }
 
 /// 2. A consumer group of three: rolling SIGTERM restarts, and kill -9 of
 ///    one instance followed by its restart, while events keep arriving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s2_group_rolling_restarts_and_a_kill() {
+    group_of_three("s2-group", "classic").await;
+}
+
+/// 2b. Scenario 2 under the consumer group protocol (KIP-848): the broker
+///     assigns, member by member, and the session is the broker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2b_group_rolling_restarts_and_a_kill_consumer_protocol() {
+    group_of_three("s2b-group-kip848", "consumer").await;
+}
+
+async fn group_of_three(name: &'static str, protocol: &str) {
     let n = events(20_000, 100_000);
     let rounds = pick(1, 2);
     let mut s = Scenario::start(
-        "s2-group",
+        name,
         "Group of three: rolling SIGTERM restarts, kill -9 and restart",
         6,
-        &[],
+        &[("TRADEBUCKET__KAFKA__GROUP_PROTOCOL", protocol)],
     )
     .await;
+    s.note("group_protocol", json!(protocol));
     let recs = Arc::new(number(good_events(2, n, true)));
     let producer = produce_paced(
         s.stack.env.kafka.clone(),

@@ -515,62 +515,72 @@ async fn a_collection_that_would_lose_trades_is_refused() {
 #[tokio::test]
 async fn each_mode_refuses_a_collection_laid_out_for_the_other() {
     for (mode, other) in [("false", "true"), ("true", "false")] {
-        let env = TestEnv::new("layout", 1).await;
-        let store = BucketStore::connect(&env.settings(&[(SHARDED, mode)]))
-            .await
-            .expect("client");
-        // Sharded through mongos when the test servers are a cluster.
-        let state = store.init_and_shard().await.expect("init");
-        assert!(
-            matches!(state, ShardState::NoMongos | ShardState::Sharded),
-            "{state:?}"
-        );
-        let names: Vec<String> = store.collection().list_index_names().await.unwrap();
-        let unique = if mode == "true" {
-            [
-                "customer_prev_unique",
-                "customer_history_key_unique",
-                "customer_id",
-            ]
-            .as_slice()
-        } else {
-            ["prev_unique", "history_key_unique"].as_slice()
-        };
-        for n in unique.iter().chain(&["customer_tickers"]) {
-            assert!(names.iter().any(|x| x == n), "{n} in {names:?}");
-        }
+        one_mode_refuses_the_others_layout(mode, other).await;
+    }
+    sharded_mode_refuses_customer_ids_stored_as_text().await;
+}
 
-        let wrong = BucketStore::connect(&env.settings(&[(SHARDED, other)]))
-            .await
-            .expect("client");
-        match wrong.init().await {
-            Err(InitError::Layout(why)) => assert!(
-                why.contains("docs/operations.md#sharding") && why.contains(&env.db),
-                "{why}"
-            ),
-            other => panic!("expected a layout refusal, got {other:?}"),
-        }
-        let (code, stdout, stderr) = binary("init", &env.vars(&[(SHARDED, mode)]));
-        assert_eq!(code, Some(0), "{stderr}");
-        let layout = if mode == "true" {
-            "indexes ready (sharded layout"
-        } else {
-            "indexes ready (unsharded layout"
-        };
-        assert!(stdout.starts_with(layout), "{stdout}");
-        let vars = env.vars(&[(SHARDED, other)]);
-        for command in ["init", "run"] {
-            let (code, _, stderr) = binary(command, &vars);
-            assert_eq!(code, Some(1), "{command}: {stderr}");
-            assert!(
-                stderr.contains("docs/operations.md#sharding"),
-                "{command}: {stderr}"
-            );
-        }
-        env.cleanup().await;
+/// `init` in `mode` lays the indexes out; the other mode's `init`, the
+/// binary's `init` and `run` refuse that collection, naming the docs.
+async fn one_mode_refuses_the_others_layout(mode: &str, other: &str) {
+    let env = TestEnv::new("layout", 1).await;
+    let store = BucketStore::connect(&env.settings(&[(SHARDED, mode)]))
+        .await
+        .expect("client");
+    // Sharded through mongos when the test servers are a cluster.
+    let state = store.init_and_shard().await.expect("init");
+    assert!(
+        matches!(state, ShardState::NoMongos | ShardState::Sharded),
+        "{state:?}"
+    );
+    let names: Vec<String> = store.collection().list_index_names().await.unwrap();
+    let unique = if mode == "true" {
+        [
+            "customer_prev_unique",
+            "customer_history_key_unique",
+            "customer_id",
+        ]
+        .as_slice()
+    } else {
+        ["prev_unique", "history_key_unique"].as_slice()
+    };
+    for n in unique.iter().chain(&["customer_tickers"]) {
+        assert!(names.iter().any(|x| x == n), "{n} in {names:?}");
     }
 
-    // A bucket stored with customerId "42" (text) before the move.
+    let wrong = BucketStore::connect(&env.settings(&[(SHARDED, other)]))
+        .await
+        .expect("client");
+    match wrong.init().await {
+        Err(InitError::Layout(why)) => assert!(
+            why.contains("docs/operations.md#sharding") && why.contains(&env.db),
+            "{why}"
+        ),
+        other => panic!("expected a layout refusal, got {other:?}"),
+    }
+    let (code, stdout, stderr) = binary("init", &env.vars(&[(SHARDED, mode)]));
+    assert_eq!(code, Some(0), "{stderr}");
+    let layout = if mode == "true" {
+        "indexes ready (sharded layout"
+    } else {
+        "indexes ready (unsharded layout"
+    };
+    assert!(stdout.starts_with(layout), "{stdout}");
+    let vars = env.vars(&[(SHARDED, other)]);
+    for command in ["init", "run"] {
+        let (code, _, stderr) = binary(command, &vars);
+        assert_eq!(code, Some(1), "{command}: {stderr}");
+        assert!(
+            stderr.contains("docs/operations.md#sharding"),
+            "{command}: {stderr}"
+        );
+    }
+    env.cleanup().await;
+}
+
+/// A bucket stored with customerId "42" (text) before the move to
+/// sharded mode is refused by `init` and by the worker's start-up.
+async fn sharded_mode_refuses_customer_ids_stored_as_text() {
     let env = TestEnv::new("layout-canonical", 1).await;
     let sharded = BucketStore::connect(&env.settings(&[(SHARDED, "true")]))
         .await

@@ -13,6 +13,7 @@ mod outage;
 mod pipeline;
 mod plumbing;
 mod reconcile;
+mod registry;
 mod writer;
 
 /// The binary under test: only the root package's tests know its path, so

@@ -91,6 +91,9 @@ impl StoreError {
             {
                 Some(TimeoutOperation::MongodbRead)
             }
+            StoreError::TimedOut {
+                operation: "ping", ..
+            } => Some(TimeoutOperation::MongodbPing),
             StoreError::TimedOut { .. } => Some(TimeoutOperation::MongodbWrite),
             StoreError::WriteConcern { .. } => Some(TimeoutOperation::MongodbWriteConcern),
             StoreError::Transient(e) if is_write_concern_timeout(e) => {

@@ -113,13 +113,16 @@ pub struct BucketStore {
     /// `timeouts.mongodb_operation`: every operation's bound (see
     /// [`bounded`]).
     operation_limit: Duration,
+    /// `timeouts.mongodb_ping`: the readiness ping's bound.
+    ping_limit: Duration,
 }
 
 impl BucketStore {
-    /// A `ping` round trip: is the server reachable and answering?
+    /// A `ping` round trip: is the server reachable and answering, within
+    /// `timeouts.mongodb_ping`?
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.db.run_command(doc! { "ping": 1 }).await?;
-        Ok(())
+        let ping = self.db.run_command(doc! { "ping": 1 });
+        bounded("ping", self.ping_limit, ping).await.map(drop)
     }
 
     /// A client for `settings.mongodb`. Errors carry no secret of the URI
@@ -180,6 +183,7 @@ impl BucketStore {
             load_concurrency: m.load_concurrency,
             probe_first: Arc::new(AtomicBool::new(true)),
             operation_limit: t.mongodb_operation,
+            ping_limit: t.mongodb_ping,
         })
     }
 
@@ -432,5 +436,15 @@ mod tests {
             wce.timeout_operation(),
             Some(TimeoutOperation::MongodbWriteConcern)
         );
+    }
+
+    /// The readiness ping is bounded in the store like any operation, and
+    /// counted as a ping, not a write.
+    #[tokio::test(start_paused = true)]
+    async fn a_ping_past_its_limit_is_a_ping_timeout() {
+        let limit = Duration::from_secs(2);
+        let hung = std::future::pending::<Result<(), StoreError>>();
+        let e = bounded("ping", limit, hung).await.unwrap_err();
+        assert_eq!(e.timeout_operation(), Some(TimeoutOperation::MongodbPing));
     }
 }

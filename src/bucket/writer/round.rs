@@ -1,144 +1,13 @@
-//! The writer's bookkeeping: a `Ledger` (one `write` call's events and
-//! what lasts across its rounds: the outcomes, the customers still pending,
-//! what the database told us) and a `Round` (one round's plans, each with
-//! whether it held, and what went wrong), addressed by typed indices
-//! (`PlanId`, `NewBucketId`).
+//! One round of the writer: its plans, each with whether it held, and
+//! what went wrong, addressed by typed indices (`PlanId`, `NewBucketId`).
+//! What lasts across rounds is the `Ledger`'s (`writer/ledger.rs`).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
-use super::Outcome;
-use crate::bucket::plan::{CustomerPlan, Fill, Known, NewBucket, UnreadableBucket};
+use super::ledger::Ledger;
+use crate::bucket::plan::{CustomerPlan, Fill, NewBucket};
 use crate::bucket::store::StatementError;
-use crate::bucket::writer::WriteStats;
-use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
-
-/// One `write` call: the events, their outcomes, and what the rounds learn
-/// about them along the way.
-pub(super) struct Ledger<'a> {
-    pub(super) events: &'a [(Trade, Source)],
-    /// One per event; `Pending` until settled.
-    pub(super) outcomes: &'a mut [Outcome],
-    /// Customers not yet done, with their events' indices in stream order.
-    /// A customer leaves when all its writes held (or it needed none).
-    pub(super) pending: BTreeMap<CustomerId, Vec<usize>>,
-    /// Keys the database showed us beyond each customer's newest bucket.
-    pub(super) known: HashMap<CustomerId, Known>,
-    /// Customers MongoDB refused a write of several events for, with how
-    /// many events each of their writes may hold until the culprit is
-    /// found.
-    pub(super) isolate: HashMap<CustomerId, usize>,
-    /// Events already looked up by `verify_below_watermark`.
-    pub(super) verified: HashSet<usize>,
-    /// Events already looked up by `verify_cached_keys`.
-    pub(super) verified_cached: HashSet<usize>,
-    /// Customers whose newest bucket this call read from MongoDB.
-    pub(super) loaded: HashSet<CustomerId>,
-    /// Customers whose newest bucket we cannot plan against, this call.
-    pub(super) unreadable: HashMap<CustomerId, UnreadableBucket>,
-    /// The call's `hold` (see `BucketWriter::write`).
-    hold_from: Option<usize>,
-    pub(super) stats: WriteStats,
-}
-
-impl<'a> Ledger<'a> {
-    /// Every customer with an event not yet settled (a retried batch keeps
-    /// the outcomes of the failed call). `hold_from`: the call's `hold`
-    /// (see `BucketWriter::write`).
-    pub(super) fn new(
-        events: &'a [(Trade, Source)],
-        outcomes: &'a mut [Outcome],
-        hold_from: Option<usize>,
-    ) -> Self {
-        // Grouped in a hash map by reference (a tree walk and a clone per
-        // event were 2 % of the worker's instructions), then ordered: the
-        // plans, and so the commands' bytes, follow the customers' order.
-        // foldhash's seed is random per process, so a producer cannot pick
-        // customer ids that collide.
-        let mut groups: HashMap<&CustomerId, Vec<usize>, foldhash::fast::RandomState> =
-            HashMap::default();
-        for (i, (trade, _)) in events.iter().enumerate() {
-            if !outcomes[i].is_final() {
-                groups.entry(&trade.customer).or_default().push(i);
-            }
-        }
-        let pending: BTreeMap<CustomerId, Vec<usize>> = groups
-            .into_iter()
-            .map(|(customer, idx)| (customer.clone(), idx))
-            .collect();
-        let stats = WriteStats {
-            customers: pending.len(),
-            ..WriteStats::default()
-        };
-        Ledger {
-            events,
-            outcomes,
-            pending,
-            known: HashMap::new(),
-            isolate: HashMap::new(),
-            verified: HashSet::new(),
-            verified_cached: HashSet::new(),
-            loaded: HashSet::new(),
-            unreadable: HashMap::new(),
-            hold_from,
-            stats,
-        }
-    }
-
-    /// Whether `customer`, whose events are `idx`, may hold back a partial
-    /// bucket: the call allows it from its first event on, and MongoDB has
-    /// not refused one of its writes (isolating the offender writes a few
-    /// events at a time, whatever they fill).
-    pub(super) fn may_hold(&self, customer: &CustomerId, idx: &[usize]) -> bool {
-        let first = idx.first().copied().unwrap_or(0);
-        self.hold_from.is_some_and(|from| first >= from) && !self.isolate.contains_key(customer)
-    }
-
-    /// Dead-letters every pending event of a customer whose newest bucket
-    /// cannot be read, naming the bucket and its fault: one bad bucket
-    /// must not stop every partition, and the events are safe in the
-    /// dead-letter topic until it is mended and they are replayed.
-    pub(super) fn reject_unreadable(&mut self) {
-        for (customer, bucket) in std::mem::take(&mut self.unreadable) {
-            let Some(idx) = self.pending.remove(&customer) else {
-                continue;
-            };
-            let reject = Reject::new(
-                RejectKind::Rejected,
-                format!("the customer's newest {bucket}"),
-            );
-            record(self.outcomes, &idx, Outcome::DeadLetter(reject));
-        }
-    }
-
-    /// How many events have an outcome: the stall rule's measure of progress.
-    pub(super) fn settled(&self) -> usize {
-        self.outcomes.iter().filter(|o| o.is_final()).count()
-    }
-
-    pub(super) fn trades(&self, idx: &[usize]) -> Vec<&'a Trade> {
-        idx.iter().map(|&i| &self.events[i].0).collect()
-    }
-
-    /// MongoDB refused a write for its data. A single event is the culprit
-    /// and is dead-lettered, and the customer's writes go back to full
-    /// size. With several, the customer's writes hold half as many events
-    /// from now on: the first half goes in (or is refused and halved
-    /// again), the next write is the second half, and so on, so one
-    /// offender among n events costs about 2·log2(n) extra writes, not n.
-    pub(super) fn refused(&mut self, customer: &CustomerId, idx: &[usize], message: &str) {
-        if idx.len() == 1 {
-            let reject = Reject::new(
-                RejectKind::Rejected,
-                format!("MongoDB refused the bucket write: {message}"),
-            );
-            record(self.outcomes, idx, Outcome::DeadLetter(reject));
-            self.isolate.remove(customer);
-        } else {
-            self.isolate.insert(customer.clone(), idx.len().div_ceil(2));
-        }
-    }
-}
+use crate::event::CustomerId;
 
 /// One operation of a customer's plan.
 #[derive(Debug, Clone, Copy)]
@@ -298,33 +167,4 @@ impl Round {
             self.stale.push(planned.customer.clone());
         }
     }
-}
-
-/// The `(customer, key)` pairs to look up: each key with the customer of
-/// every event that holds it.
-pub(super) fn keys_of(
-    events: &[(Trade, Source)],
-    by_key: &HashMap<&str, Vec<usize>>,
-) -> Vec<(CustomerId, String)> {
-    by_key
-        .iter()
-        .flat_map(|(key, idx)| {
-            idx.iter()
-                .map(|&i| (events[i].0.customer.clone(), key.to_string()))
-        })
-        .collect()
-}
-
-/// Records a final outcome unless one is already known (a write we saw
-/// succeed stays `Written` when a later round finds it below the watermark).
-pub(super) fn record(outcomes: &mut [Outcome], idx: &[usize], outcome: Outcome) {
-    for &i in idx {
-        if !outcomes[i].is_final() {
-            outcomes[i] = outcome.clone();
-        }
-    }
-}
-
-pub(super) fn all_final(idx: Option<&Vec<usize>>, outcomes: &[Outcome]) -> bool {
-    idx.is_none_or(|idx| idx.iter().all(|&i| outcomes[i].is_final()))
 }

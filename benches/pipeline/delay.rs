@@ -1,0 +1,238 @@
+//! Step 6, the delay: steady loads at the target's rate and at fractions of
+//! the measured throughput, the worker's own delay histogram, and sampled
+//! trades timed from the producer's acknowledgement to readable in MongoDB.
+
+use std::time::{Duration, Instant};
+
+use mongodb::bson::doc;
+use rdkafka::ClientConfig;
+use serde_json::json;
+
+use testkit::{free_port, http_get, poll_until};
+use tradebucket::bucket::store::BucketStore;
+use tradebucket::cli;
+use tradebucket::config::Settings;
+
+use crate::scrape::{gauge, histogram, quantile, stage_breakdown};
+use crate::target::{committed_reached, end_offsets, kafka_consumer, stop, Target};
+use crate::{produce_options, Args};
+
+/// Step 6: delay at the target's steady load, and at fractions of the
+/// measured throughput (`first_rate`), to show where the delay comes from.
+pub(crate) async fn delays(
+    args: &Args,
+    target: &Target,
+    first_rate: f64,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut delays = Vec::new();
+    let steady_waits = if args.steady_rate > 0 {
+        &args.steady_fetch_waits[..]
+    } else {
+        &[]
+    };
+    let steady = steady_waits
+        .iter()
+        .map(|wait| (args.steady_rate, None, Some(wait.as_str())));
+    let fractions = args
+        .latency_fractions
+        .iter()
+        .map(|&f| (((first_rate * f) as u64).max(1), Some(f), None));
+    for (n, (rate, fraction, wait)) in steady.chain(fractions).enumerate() {
+        let target = match wait {
+            Some(wait) => target
+                .clone()
+                .with_var("TRADEBUCKET__KAFKA__FETCH_WAIT_MAX", wait),
+            None => target.clone(),
+        };
+        let mut latency = steady_delay(&target, args, rate, n, fraction.is_none()).await?;
+        eprintln!(
+            "bench: delay at {rate} events/s (fetch wait {wait:?}): p50 {:.3} s, p99 {:.3} s; sampled {}",
+            latency["p50_seconds"], latency["p99_seconds"], latency["sampled"]
+        );
+        latency["fraction_of_max"] = json!(fraction);
+        let wait = target.settings().kafka.fetch_wait_max;
+        latency["fetch_wait_max"] = json!(humantime::format_duration(wait).to_string());
+        delays.push(latency);
+    }
+    Ok(delays)
+}
+
+/// Delay from message timestamp to committed write, from the worker's own
+/// histogram, while the generator produces at `rate` for a while.
+pub(crate) async fn steady_delay(
+    target: &Target,
+    args: &Args,
+    rate: u64,
+    run: usize,
+    sample: bool,
+) -> anyhow::Result<serde_json::Value> {
+    let port = free_port();
+    let t = Target::new(
+        &target.vars,
+        &format!("{}-steady{run}", target.topic),
+        &format!("{}_steady{run}", target.db),
+        &format!("{}-steady{run}", target.group),
+        port,
+    );
+    let s = t.settings();
+    cli::init(&s, Some(args.partitions)).await?;
+    let child = t.spawn_worker();
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
+    // Start the load once partitions are assigned, so start-up is not
+    // counted as delay.
+    wait_assigned(&metrics_url, args.partitions).await?;
+    let count = rate * args.latency_seconds;
+    let load = produce_options(args, 0, count, rate, &t.topic);
+    let sampling = async {
+        if !sample {
+            return Ok::<Vec<f64>, anyhow::Error>(Vec::new());
+        }
+        let store = BucketStore::connect(&s).await?;
+        let span = Duration::from_secs(args.latency_seconds);
+        sampled_delays(&s, &t.topic, &store, span, run).await
+    };
+    let (produced, sampled) = tokio::join!(cli::produce(&s, &load, false), sampling);
+    produced?;
+    let mut sampled = sampled?;
+    let ends = end_offsets(&s, &t.topic)?;
+    let checker = kafka_consumer(&s, &t.group)?;
+    // A broker error while asking counts as not yet: asked again.
+    let drained = poll_until(Duration::from_secs(120), Duration::from_millis(200), || {
+        std::future::ready(committed_reached(&checker, &t.topic, &ends).unwrap_or(false))
+    })
+    .await;
+    anyhow::ensure!(drained, "steady load not drained");
+    // The last commit's delay is observed right after the commit.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, text) = http_get(&metrics_url)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("no metrics from the worker"))?;
+    stop(child)?;
+    let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
+    sampled.sort_by(f64::total_cmp);
+    let mut figures = delay_figures(rate, count, &buckets, &sampled);
+    figures["stages"] = stage_breakdown(&text);
+    Ok(figures)
+}
+
+/// Waits until the worker behind `metrics_url` has all `partitions`.
+pub(crate) async fn wait_assigned(metrics_url: &str, partitions: i32) -> anyhow::Result<()> {
+    let assigned = poll_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            http_get(metrics_url).await.is_some_and(|(_, body)| {
+                gauge(&body, "tradebucket_assigned_partitions").unwrap_or(0.0)
+                    >= f64::from(partitions)
+            })
+        },
+    )
+    .await;
+    anyhow::ensure!(assigned, "no assignment within 60 s");
+    Ok(())
+}
+
+/// A steady phase's results: the worker's delay histogram (`buckets`) and
+/// its quantiles, and the `sampled` delays (sorted) with theirs.
+pub(crate) fn delay_figures(
+    rate: u64,
+    count: u64,
+    buckets: &[(f64, f64)],
+    sampled: &[f64],
+) -> serde_json::Value {
+    let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
+    let rank = |q: f64| sampled.get(((sampled.len() as f64 * q).ceil() as usize).saturating_sub(1));
+    json!({
+        "rate_events_per_second": rate,
+        "sampled": {"trades": sampled.len(), "p50_seconds": rank(0.50),
+                    "p90_seconds": rank(0.90), "p99_seconds": rank(0.99),
+                    "max_seconds": sampled.last()},
+        "events": count,
+        "observed": total,
+        "p50_seconds": quantile(buckets, 0.50),
+        "p90_seconds": quantile(buckets, 0.90),
+        "p99_seconds": quantile(buckets, 0.99),
+        "buckets": buckets.iter().map(|(le, c)| json!([le, c])).collect::<Vec<_>>(),
+    })
+}
+
+/// One trade every this often, on top of the generator's steady load, is
+/// timed from its producer acknowledgement to being readable in MongoDB.
+pub(crate) const SAMPLE_EVERY: Duration = Duration::from_millis(200);
+
+/// How often a sampled trade's key is looked up until it is stored: the
+/// resolution of the sampled delays, and light on the server (an indexed
+/// point query, one or two samples in flight).
+pub(crate) const SAMPLE_POLL: Duration = Duration::from_millis(5);
+
+/// Delays, in seconds, from the broker's acknowledgement of a sampled trade
+/// (`acks=all`) to its key being readable in the worker's collection at
+/// read concern "majority" (what the decisive reads use), for `span`.
+pub(crate) async fn sampled_delays(
+    settings: &Settings,
+    topic: &str,
+    store: &BucketStore,
+    span: Duration,
+    run: usize,
+) -> anyhow::Result<Vec<f64>> {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &settings.kafka.brokers)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "0")
+        .create()?;
+    // Each sample waits in its own task, so its clock stops when its trade
+    // is found, not when this loop next looks.
+    let mut waits = tokio::task::JoinSet::new();
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    let started = Instant::now();
+    let mut n = 0u64;
+    while started.elapsed() < span {
+        tick.tick().await;
+        n += 1;
+        let id = format!("S-{run}-{n}");
+        let customer = n % 1000;
+        let date = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let payload = testkit::event::trade(id.as_str())
+            .customer(customer)
+            .date(date)
+            .payload();
+        let key = customer.to_string();
+        let record = FutureRecord::to(topic).key(&key).payload(&payload);
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)?;
+        let acked = Instant::now();
+        waits.spawn(readable_after(store.clone(), format!("t:{id}"), acked));
+    }
+    let mut delays = Vec::new();
+    while let Some(r) = waits.join_next().await {
+        delays.push(r??);
+    }
+    Ok(delays)
+}
+
+/// Seconds from `acked` until a bucket holds `key`.
+pub(crate) async fn readable_after(
+    store: BucketStore,
+    key: String,
+    acked: Instant,
+) -> anyhow::Result<f64> {
+    loop {
+        let found = store
+            .collection()
+            .find_one(doc! {"history.key": &key})
+            .projection(doc! {"_id": 1})
+            .await?;
+        if found.is_some() {
+            return Ok(acked.elapsed().as_secs_f64());
+        }
+        // As long as the steady phase waits for its commits.
+        anyhow::ensure!(
+            acked.elapsed() < Duration::from_secs(120),
+            "{key} not stored in 120 s"
+        );
+        tokio::time::sleep(SAMPLE_POLL).await;
+    }
+}
