@@ -195,6 +195,18 @@ impl WorkerProcess {
     }
 }
 
+/// A worker a test lets go of while it still runs (a panic, or a test
+/// that ends without stopping it) is killed -9 and reaped, so no
+/// `tradebucket run` outlives its test and reads the next test's topics.
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// Workers of one run, each logging to its own file in `dir`
 /// (`worker-0.log`, `worker-1.log`, ...). Dropping the fleet kills -9 those
 /// still running, so a failed test leaves no worker behind.
