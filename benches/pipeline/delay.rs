@@ -17,41 +17,28 @@ use crate::scrape::{gauge, histogram, quantile, stage_breakdown};
 use crate::target::{committed_reached, end_offsets, kafka_consumer, stop, Target};
 use crate::{produce_options, Args};
 
-/// Step 6: delay at the target's steady load, and at fractions of the
-/// measured throughput (`first_rate`), to show where the delay comes from.
+/// Step 6: delay at the target's steady load (with sampled trades), then
+/// the delay curve: steady loads at `args.steady_fractions` of the append
+/// ceiling (`appends_per_second`), up to well above it, each checked to
+/// have stored every trade once.
 pub(crate) async fn delays(
     args: &Args,
     target: &Target,
-    first_rate: f64,
+    appends_per_second: f64,
 ) -> anyhow::Result<Vec<serde_json::Value>> {
+    let steady = (args.steady_rate > 0).then_some((args.steady_rate, None));
+    let curve = args.steady_fractions.iter().map(|&f| {
+        let rate = ((appends_per_second * f) as u64).max(1);
+        (rate, Some(f))
+    });
     let mut delays = Vec::new();
-    let steady_waits = if args.steady_rate > 0 {
-        &args.steady_fetch_waits[..]
-    } else {
-        &[]
-    };
-    let steady = steady_waits
-        .iter()
-        .map(|wait| (args.steady_rate, None, Some(wait.as_str())));
-    let fractions = args
-        .latency_fractions
-        .iter()
-        .map(|&f| (((first_rate * f) as u64).max(1), Some(f), None));
-    for (n, (rate, fraction, wait)) in steady.chain(fractions).enumerate() {
-        let target = match wait {
-            Some(wait) => target
-                .clone()
-                .with_var("TRADEBUCKET__KAFKA__FETCH_WAIT_MAX", wait),
-            None => target.clone(),
-        };
-        let mut latency = steady_delay(&target, args, rate, n, fraction.is_none()).await?;
+    for (n, (rate, fraction)) in steady.into_iter().chain(curve).enumerate() {
+        let mut latency = steady_delay(target, args, rate, n).await?;
         eprintln!(
-            "bench: delay at {rate} events/s (fetch wait {wait:?}): p50 {:.3} s, p99 {:.3} s; sampled {}",
-            latency["p50_seconds"], latency["p99_seconds"], latency["sampled"]
+            "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s, max {:.3} s; sampled {}",
+            latency["p50_seconds"], latency["p99_seconds"], latency["sampled"]["max_seconds"], latency["sampled"]
         );
-        latency["fraction_of_max"] = json!(fraction);
-        let wait = target.settings().kafka.fetch_wait_max;
-        latency["fetch_wait_max"] = json!(humantime::format_duration(wait).to_string());
+        latency["fraction_of_append_ceiling"] = json!(fraction);
         delays.push(latency);
     }
     Ok(delays)
@@ -64,7 +51,6 @@ pub(crate) async fn steady_delay(
     args: &Args,
     rate: u64,
     run: usize,
-    sample: bool,
 ) -> anyhow::Result<serde_json::Value> {
     let port = free_port();
     let t = Target::new(
@@ -84,9 +70,6 @@ pub(crate) async fn steady_delay(
     let count = rate * args.latency_seconds;
     let load = produce_options(args, 0, count, rate, &t.topic);
     let sampling = async {
-        if !sample {
-            return Ok::<Vec<f64>, anyhow::Error>(Vec::new());
-        }
         let store = BucketStore::connect(&s).await?;
         let span = Duration::from_secs(args.latency_seconds);
         sampled_delays(&s, &t.topic, &store, span, run).await
@@ -108,10 +91,20 @@ pub(crate) async fn steady_delay(
         .await
         .ok_or_else(|| anyhow::anyhow!("no metrics from the worker"))?;
     stop(child)?;
+    let audit = cli::audit(&s, None).await?;
+    let expected = count + sampled.len() as u64;
+    anyhow::ensure!(
+        audit.violations.is_empty() && audit.trades == expected,
+        "steady load at {rate}/s: {} trades stored of {expected}, violations {:?}",
+        audit.trades,
+        audit.violations
+    );
     let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
     sampled.sort_by(f64::total_cmp);
     let mut figures = delay_figures(rate, count, &buckets, &sampled);
     figures["stages"] = stage_breakdown(&text);
+    figures["stored_trades"] = json!(audit.trades);
+    figures["expected_trades"] = json!(expected);
     Ok(figures)
 }
 
@@ -160,9 +153,9 @@ pub(crate) fn delay_figures(
 /// timed from its producer acknowledgement to being readable in MongoDB.
 pub(crate) const SAMPLE_EVERY: Duration = Duration::from_millis(200);
 
-/// How often a sampled trade's key is looked up until it is stored: the
-/// resolution of the sampled delays, and light on the server (an indexed
-/// point query, one or two samples in flight).
+/// How often, at least, a sampled trade's key is looked up until it is
+/// stored: the resolution of the sampled delays, and light on the server
+/// (an indexed point query, one or two samples in flight).
 pub(crate) const SAMPLE_POLL: Duration = Duration::from_millis(5);
 
 /// Delays, in seconds, from the broker's acknowledgement of a sampled trade
@@ -233,6 +226,8 @@ pub(crate) async fn readable_after(
             acked.elapsed() < Duration::from_secs(120),
             "{key} not stored in 120 s"
         );
-        tokio::time::sleep(SAMPLE_POLL).await;
+        // A fiftieth of the delay so far: 2 % resolution, and above the
+        // steady capacity, where delays reach seconds, no flood of reads.
+        tokio::time::sleep(SAMPLE_POLL.max(acked.elapsed() / 50)).await;
     }
 }

@@ -14,15 +14,17 @@
 //!   database server in each phase (`Cpu`, from /proc/PID/stat);
 //! - the worker's peak RSS, and the delay from message timestamp to
 //!   committed write at the target's steady 1,000 events/s (with a sample
-//!   of trades timed from producer acknowledgement to readable in MongoDB)
-//!   and at fractions of the measured throughput.
+//!   of trades timed from producer acknowledgement to readable in MongoDB);
+//! - the append ceiling: the database's capacity for one-trade appends to
+//!   open buckets, and the delay curve at steady loads below and above it.
 //!
 //! Run through `scripts/bench`, which starts the stack, builds, runs this
 //! and renders `docs/benchmarks.md` and its chart from the JSON it writes.
 //!
 //! This file runs the steps in order; beside it, one file a job: `target`
 //! (a run's target, reading its topic and offsets), `worker` (the worker
-//! runs, sampled), `ceiling` (the database ceiling), `naive` (the naive
+//! runs, sampled), `ceiling` (the database ceiling), `appends` (the append
+//! ceiling), `naive` (the naive
 //! baseline), `delay` (the steady phases and sampled delays), `cpu` (CPU
 //! time from `/proc`) and `scrape` (reading the worker's `/metrics`).
 
@@ -39,6 +41,7 @@ use serde_json::json;
 use tradebucket::bucket::store::BucketStore;
 use tradebucket::cli::{self, ProduceOptions};
 
+use appends::append_ceiling;
 use ceiling::{database_ceiling, index_keys, Heads};
 use cpu::{cpu_model, Cpu};
 use delay::delays;
@@ -46,6 +49,7 @@ use naive::naive_baseline;
 use target::{end_offsets, kafka_consumer, read_topic, Target};
 use worker::{run_worker, Sample, WorkerRun};
 
+mod appends;
 mod ceiling;
 mod cpu;
 mod delay;
@@ -72,22 +76,18 @@ struct Args {
     /// Seconds of steady load for the delay measurement.
     #[arg(long, default_value_t = 60)]
     latency_seconds: u64,
-    /// Steady loads for the delay measurement, as fractions of the first
-    /// set's throughput; the first is the target's (half).
-    #[arg(long, value_delimiter = ',', default_values_t = [0.5, 0.25, 0.1])]
-    latency_fractions: Vec<f64>,
+    /// The delay curve: steady loads as fractions of the append ceiling
+    /// (the database's capacity for one-trade appends to open buckets,
+    /// what each trade is under a steady load over many customers), from
+    /// well below it to well above it.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.5, 0.8, 1.0, 1.5, 3.0])]
+    steady_fractions: Vec<f64>,
     /// The steady load of the delay target (issue #18: p99 within 100 ms
-    /// at 1,000 events/s), measured besides the fractions, with a sample of
-    /// trades timed from the producer's acknowledgement to being readable
-    /// in MongoDB; 0 skips it.
+    /// at 1,000 events/s, default settings), measured besides the curve,
+    /// with a sample of trades timed from the producer's acknowledgement
+    /// to being readable in MongoDB; 0 skips it.
     #[arg(long, default_value_t = 1000)]
     steady_rate: u64,
-    /// `kafka.fetch_wait_max` of each steady target phase, one phase per
-    /// value: the default, and a short one for the local Kafka-protocol
-    /// stand-in, which holds every fetch until this ends (docs/testing.md)
-    /// where Apache Kafka answers as soon as data arrives.
-    #[arg(long, value_delimiter = ',', default_values_t = ["100ms".to_string(), "10ms".to_string()])]
-    steady_fetch_waits: Vec<String>,
     /// Skip the second set (quicker runs while optimising).
     #[arg(long)]
     no_second_set: bool,
@@ -149,7 +149,10 @@ async fn main() -> anyhow::Result<()> {
     let (first, second) = worker_runs(&args, &target, &mut samples, &heads).await?;
     let (second, second_ceiling) = second.unzip();
     let (audit, reconcile) = check_runs(&args, &target, &ceilings, &first, &second).await?;
-    let delays = delays(&args, &target, first.events_per_second).await?;
+    let appends = append_ceiling(&target, args.customers).await?;
+    let per_second = appends["appends_per_second"].as_f64().unwrap_or(0.0);
+    eprintln!("bench: append ceiling {per_second:.0} appends/s");
+    let delays = delays(&args, &target, per_second).await?;
 
     let results = json!({
         "run_id": run_id,
@@ -165,6 +168,8 @@ async fn main() -> anyhow::Result<()> {
         "naive_baseline": ceilings["naive_baseline"],
         "tradebucket_first": first,
         "tradebucket_second": second,
+        "append_ceiling": appends,
+        "hold_max_age_seconds": settings.batch.hold_max_age.as_secs_f64(),
         "delays": delays,
         "reconcile": reconcile,
         "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
@@ -481,7 +486,8 @@ fn machine() -> serde_json::Value {
         "cpu": cpu_model(),
         "tradebucket": env!("CARGO_PKG_VERSION"),
         "librdkafka": rdkafka::util::get_rdkafka_version().1,
-        "kafka_server": "Tansu 0.6.0 (sqlite)",
+        // scripts/bench names the broker scripts/stack runs.
+        "kafka_server": std::env::var("BENCH_KAFKA_SERVER").unwrap_or_else(|_| "unknown".into()),
         "mongodb_server": "secantusd-rs 0.5.3-beta.196",
     })
 }
