@@ -36,7 +36,10 @@ pub(crate) async fn delays(
         let mut latency = steady_delay(target, args, rate, n).await?;
         eprintln!(
             "bench: delay at {rate} events/s: p50 {:.3} s, p99 {:.3} s, max {:.3} s; sampled {}",
-            latency["p50_seconds"], latency["p99_seconds"], latency["sampled"]["max_seconds"], latency["sampled"]
+            latency["p50_seconds"],
+            latency["p99_seconds"],
+            latency["sampled"]["max_seconds"],
+            latency["sampled"]
         );
         latency["fraction_of_append_ceiling"] = json!(fraction);
         delays.push(latency);
