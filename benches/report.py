@@ -42,7 +42,6 @@ for x in curve:
 # held trades go with the first batch `batch.hold_max_age` after they were
 # held, and that batch's write and commit take at most the capacity's 1 s.
 overloaded = [x for x in curve if x["fraction_of_append_ceiling"] > 1.0]
-delay_bound = hold_max_age + 1.0
 
 # CPU-seconds per million events (= microseconds per event) of each process.
 def cpu(entry, proc):
@@ -220,15 +219,29 @@ if curve and appends:
         f"held at {rate(capacity)}/s = {capacity / appends:.2f} × (p99 {held['p99_seconds']:.2f} s){above}"
         if held else "not held at the curve's lowest rate",
         capacity >= 0.8 * appends * 0.999))
+def overload_holds(x):
+    """Above the capacity a trade waits at most `batch.hold_max_age` held,
+    then the write of the batch that takes it (the phase's own `writing`
+    stage p99) and a second for the fetch, the linger and the commit; and
+    the delay stops growing: the second half's worst sample is within a
+    second of the first half's."""
+    write = ((x.get("stages") or {}).get("writing") or {}).get("p99_seconds") or 0.0
+    halves = x.get("sampled_halves") or {}
+    bounded = x["sampled"]["max_seconds"] <= hold_max_age + write + 1.0
+    flat = halves.get("second_half_max_seconds", 0) <= halves.get("first_half_max_seconds", 0) + 1.0
+    stored = x.get("stored_trades") == x.get("expected_trades")
+    return bounded and flat and stored, write, halves
 if overloaded:
-    worst = max((x["sampled"].get("max_seconds") or 0) for x in overloaded)
-    lost = sum(x.get("stored_trades", 0) != x.get("expected_trades", 0) for x in overloaded)
+    verdicts = [overload_holds(x) for x in overloaded]
     targets.append(target(
-        f"above the steady capacity the delay stops at `batch.hold_max_age` + 1 s = {delay_bound:g} s, nothing lost",
-        "; ".join(f"{rate(x['rate_events_per_second'])}/s: p99 {x['p99_seconds']:.1f} s, sampled max "
-                  f"{x['sampled']['max_seconds']:.1f} s, {x.get('stored_trades', 0):,} of "
-                  f"{x.get('expected_trades', 0):,} trades stored once" for x in overloaded),
-        worst <= delay_bound and lost == 0))
+        f"above the steady capacity the delay stops at `batch.hold_max_age` ({hold_max_age:g} s) + the write of the"
+        " batch that takes it + 1 s, and grows no further; nothing lost",
+        "; ".join(f"{rate(x['rate_events_per_second'])}/s: sampled max {x['sampled']['max_seconds']:.1f} s against"
+                  f" {hold_max_age + w + 1:.1f} s (write p99 {w:.1f} s), worst of each half {h.get('first_half_max_seconds', 0):.1f}"
+                  f" and {h.get('second_half_max_seconds', 0):.1f} s, {x.get('stored_trades', 0):,} of"
+                  f" {x.get('expected_trades', 0):,} trades stored once"
+                  for x, (_, w, h) in zip(overloaded, verdicts)),
+        all(ok for ok, _, _ in verdicts)))
 peak = max(first["peak_rss_mib"], second["peak_rss_mib"] if second else 0)
 targets.append(target("peak RSS ≤ 150 MiB over the 1,000,000-event backlog",
                       f"{peak:.1f} MiB (backlog {r['events']:,})",

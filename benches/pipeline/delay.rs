@@ -103,8 +103,15 @@ pub(crate) async fn steady_delay(
         audit.violations
     );
     let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
+    // Whether the delay still grows at the end of the phase: the worst of
+    // each half of the samples, in the order sent.
+    let (early, late) = sampled.split_at(sampled.len() / 2);
+    let worst = |half: &[f64]| half.iter().copied().fold(0.0, f64::max);
+    let halves = json!({"first_half_max_seconds": worst(early),
+                        "second_half_max_seconds": worst(late)});
     sampled.sort_by(f64::total_cmp);
     let mut figures = delay_figures(rate, count, &buckets, &sampled);
+    figures["sampled_halves"] = halves;
     figures["stages"] = stage_breakdown(&text);
     figures["stored_trades"] = json!(audit.trades);
     figures["expected_trades"] = json!(expected);
@@ -161,7 +168,8 @@ pub(crate) const SAMPLE_EVERY: Duration = Duration::from_millis(200);
 /// (an indexed point query, one or two samples in flight).
 pub(crate) const SAMPLE_POLL: Duration = Duration::from_millis(5);
 
-/// Delays, in seconds, from the broker's acknowledgement of a sampled trade
+/// Delays, in seconds and in the order sent, from the broker's
+/// acknowledgement of a sampled trade
 /// (`acks=all`) to its key being readable in the worker's collection at
 /// read concern "majority" (what the decisive reads use), for `span`.
 pub(crate) async fn sampled_delays(
@@ -200,13 +208,16 @@ pub(crate) async fn sampled_delays(
             .await
             .map_err(|(e, _)| e)?;
         let acked = Instant::now();
-        waits.spawn(readable_after(store.clone(), format!("t:{id}"), acked));
+        let readable = readable_after(store.clone(), format!("t:{id}"), acked);
+        waits.spawn(async move { readable.await.map(|delay| (n, delay)) });
     }
     let mut delays = Vec::new();
     while let Some(r) = waits.join_next().await {
         delays.push(r??);
     }
-    Ok(delays)
+    // In the order sent, so a phase's halves can be told apart.
+    delays.sort_by_key(|&(n, _)| n);
+    Ok(delays.into_iter().map(|(_, delay)| delay).collect())
 }
 
 /// Seconds from `acked` until a bucket holds `key`.
