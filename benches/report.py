@@ -411,6 +411,9 @@ lines += [
       f"{cores} cores ÷ ({us(kafka_cpu)} µs broker + {us(db_cpu)} µs database) = {rate(bound)} events/s;"
       f" tradebucket reached {tb / bound:.2f} × of it"
       + ("" if not tb_steady else f" ({tb_steady / bound:.2f} × from 10 % to 90 % of its events written)")),
+    f"- the database ceiling's own rate, the server doing nothing but inserting the final buckets: {rate(db)} events/s;"
+    f" tradebucket reached {tb / db:.2f} × of it"
+    + ("" if not tb_steady else f" ({tb_steady / db:.2f} × from 10 % to 90 % of its events written)"),
     "- the second set's co-located bound: " + ("–" if bound2 is None else
       f"{cores} cores ÷ ({us(kafka_cpu)} µs broker + {us(db2_cpu)} µs database, the least restart work) ="
       f" {rate(bound2)} events/s; tradebucket's second set reached {second['events_per_second'] / bound2:.2f} × of it"),
