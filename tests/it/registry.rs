@@ -1,13 +1,14 @@
-//! Avro topics through a Schema Registry (issue #48), end to end with the
-//! real broker and database. The records are written by confluent-kafka's
-//! own `AvroSerializer` (Python, `testkit::produce_avro`), so the bytes
-//! come from a client nobody here wrote; the registry is the test kit's
-//! (`testkit::SchemaRegistry`), stopped and restarted mid-run.
+//! Avro and Protobuf topics through a Schema Registry (issue #48), end to
+//! end with the real broker and database. The records are written by
+//! confluent-kafka's own `AvroSerializer` and `ProtobufSerializer`
+//! (Python, `testkit::produce_avro`, `testkit::produce_protobuf`), so the
+//! bytes come from a client nobody here wrote; the registry is the test
+//! kit's (`testkit::SchemaRegistry`), stopped and restarted mid-run.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use mongodb::bson::Document;
+use mongodb::bson::{Bson, Document};
 use serde_json::{json, Value};
 use testkit::*;
 use tradebucket::config::{PayloadFormat, RegistrySettings, Settings, TopicFormat};
@@ -38,9 +39,48 @@ const V2: &str = r#"{"type":"record","name":"Trade","namespace":"example.trades"
   {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}},
   {"name":"venue","type":"string","default":"XNAS"}]}"#;
 
+/// The same trades in Protobuf: the date a `google.protobuf.Timestamp`,
+/// money a decimal string, the side an enum whose 0 is `buy`; `Trade` is
+/// the file's second message (message indexes `[1]`).
+const P1: &str = r#"syntax = "proto3";
+package example.trades;
+import "google/protobuf/timestamp.proto";
+message Envelope { string source = 1; }
+message Trade {
+  enum Side { buy = 0; sell = 1; }
+  string trade_id = 1;
+  int64 customer_id = 2;
+  Side type = 3;
+  string ticker = 4;
+  int64 qty = 5;
+  string price = 6;
+  optional string currency = 7;
+  google.protobuf.Timestamp date = 8;
+}
+"#;
+
+/// Evolved as V2: `currency` removed, `venue` added.
+const P2: &str = r#"syntax = "proto3";
+package example.trades;
+import "google/protobuf/timestamp.proto";
+message Envelope { string source = 1; }
+message Trade {
+  enum Side { buy = 0; sell = 1; }
+  reserved 7;
+  string trade_id = 1;
+  int64 customer_id = 2;
+  Side type = 3;
+  string ticker = 4;
+  int64 qty = 5;
+  string price = 6;
+  google.protobuf.Timestamp date = 8;
+  string venue = 9;
+}
+"#;
+
 /// Trade `n` for customer `c`, as the Avro producer is given it.
 fn avro_trade(prefix: &str, n: i64, c: i64, v2: bool) -> Value {
-    let mut t = json!({"tradeId": format!("{prefix}-{n}"), "customerId": c, "type": "buy",
+    let mut t = json!({"tradeId": format!("{prefix}-{n}"), "customerId": c, "type": side(n),
         "ticker": "MDB", "qty": 100 + n, "price": format!("61.{n:02}00"),
         "date": 1_698_335_223_434_i64 + n * 1000});
     if v2 {
@@ -51,10 +91,26 @@ fn avro_trade(prefix: &str, n: i64, c: i64, v2: bool) -> Value {
     t
 }
 
+/// Trade `n` for customer `c` in proto3's JSON form, as the Protobuf
+/// producer is given it: the JSON upstream's form.
+fn proto_trade(prefix: &str, n: i64, c: i64, v2: bool) -> Value {
+    json_trade(prefix, n, c, v2)
+}
+
+/// Every other trade a sell, so both enum values are read (`buy` is the
+/// Protobuf enum's 0).
+fn side(n: i64) -> &'static str {
+    if n % 2 == 0 {
+        "sell"
+    } else {
+        "buy"
+    }
+}
+
 /// The same trade as a JSON upstream writes it.
 fn json_trade(prefix: &str, n: i64, c: i64, v2: bool) -> Value {
     let date = chrono_text(1_698_335_223_434_i64 + n * 1000);
-    let mut t = json!({"tradeId": format!("{prefix}-{n}"), "customerId": c, "type": "buy",
+    let mut t = json!({"tradeId": format!("{prefix}-{n}"), "customerId": c, "type": side(n),
         "ticker": "MDB", "qty": 100 + n, "price": format!("61.{n:02}00"), "date": date});
     if v2 {
         t["venue"] = json!("XNYS");
@@ -110,19 +166,35 @@ async fn entries(env: &TestEnv) -> BTreeMap<String, Document> {
     out
 }
 
-#[tokio::test]
-async fn avro_and_json_topics_store_equal_trades_across_a_schema_change() {
-    let registry = SchemaRegistry::start().await;
-    let env = TestEnv::new("registry-avro", 1).await;
-    let avro_topic = format!("{}.avro", env.topic);
-    create_topic(&env.kafka, &avro_topic, 2).await;
+/// Six trades each to an Avro and a Protobuf topic, the writers' schemas
+/// evolving after the third (`A-n`, `P-n`), and the same six to the JSON
+/// topic `env.topic` (`J-n`).
+async fn produce_three_formats(env: &TestEnv, registry: &str, avro: &str, proto: &str) {
     let v1: Vec<Value> = (1..=3).map(|n| avro_trade("A", n, 7, false)).collect();
     let v2: Vec<Value> = (4..=6).map(|n| avro_trade("A", n, 7, true)).collect();
-    produce_avro(&env.kafka, &registry.url(), &avro_topic, V1, &v1).await;
+    produce_avro(&env.kafka, registry, avro, V1, &v1).await;
     // Mid-topic, the upstream's schema evolves (a new id).
-    produce_avro(&env.kafka, &registry.url(), &avro_topic, V2, &v2).await;
+    produce_avro(&env.kafka, registry, avro, V2, &v2).await;
+    let p1: Vec<Value> = (1..=3).map(|n| proto_trade("P", n, 7, false)).collect();
+    let p2: Vec<Value> = (4..=6).map(|n| proto_trade("P", n, 7, true)).collect();
+    let message = "example.trades.Trade";
+    produce_protobuf(&env.kafka, registry, proto, P1, message, &p1).await;
+    produce_protobuf(&env.kafka, registry, proto, P2, message, &p2).await;
     let json: Vec<Value> = (1..=6).map(|n| json_trade("J", n, 7, n > 3)).collect();
     env.produce_json(&json).await;
+}
+
+#[tokio::test]
+async fn avro_protobuf_and_json_topics_store_equal_trades_across_a_schema_change() {
+    let registry = SchemaRegistry::start().await;
+    let env = TestEnv::new("registry-formats", 1).await;
+    let (avro_topic, proto_topic) = (
+        format!("{}.avro", env.topic),
+        format!("{}.proto", env.topic),
+    );
+    create_topic(&env.kafka, &avro_topic, 2).await;
+    create_topic(&env.kafka, &proto_topic, 2).await;
+    produce_three_formats(&env, &registry.url(), &avro_topic, &proto_topic).await;
 
     let settings = settings_for(
         &env,
@@ -130,24 +202,40 @@ async fn avro_and_json_topics_store_equal_trades_across_a_schema_change() {
         &[
             (&env.topic, PayloadFormat::Json),
             (&avro_topic, PayloadFormat::Avro),
+            (&proto_topic, PayloadFormat::Protobuf),
         ],
     );
     let worker = Worker::spawn(settings);
-    eventually("all twelve trades stored", T, || async {
-        entries(&env).await.len() == 12
+    eventually("all eighteen trades stored", T, || async {
+        entries(&env).await.len() == 18
     })
     .await;
     let metrics = worker.stop().await;
     let stored = entries(&env).await;
     for n in 1..=6 {
-        let (a, j) = (&stored[&format!("A-{n}")], &stored[&format!("J-{n}")]);
+        let j = &stored[&format!("J-{n}")];
+        let (a, p) = (&stored[&format!("A-{n}")], &stored[&format!("P-{n}")]);
         assert_eq!(a, j, "trade {n}: Avro entry differs from the JSON one");
+        assert_eq!(p, j, "trade {n}: Protobuf entry differs from the JSON one");
+        // In the same order too (a Document's equality ignores it).
+        assert!(
+            a.keys().eq(j.keys()) && p.keys().eq(j.keys()),
+            "{a}\n{p}\n{j}"
+        );
     }
-    // Exact money: Decimal128, the scale kept.
-    let price = stored["A-1"].get("price").unwrap().to_string();
-    assert!(price.contains("61.0100"), "{price}");
-    assert_eq!(metrics.schema_fetches.get(), 2, "one fetch per schema id");
-    assert!(metrics.schema_cache_hits.get() >= 4);
+    // Exact money: Decimal128, the scale kept; the Timestamp is the date.
+    for id in ["A-1", "P-1", "J-1"] {
+        match stored[id].get("price") {
+            Some(Bson::Decimal128(d)) => assert_eq!(d.to_string(), "61.0100", "{id}"),
+            other => panic!("{id}: price is not a Decimal128: {other:?}"),
+        }
+        let date = stored[id].get_datetime("date").unwrap();
+        assert_eq!(date.timestamp_millis(), 1_698_335_224_434, "{id}");
+    }
+    assert_eq!(stored["P-2"].get_str("type").unwrap(), "sell");
+    assert_eq!(stored["P-4"].get_str("venue").unwrap(), "XNYS");
+    assert_eq!(metrics.schema_fetches.get(), 4, "one fetch per schema id");
+    assert!(metrics.schema_cache_hits.get() >= 8);
     assert_eq!(env.committed().values().sum::<i64>(), 6);
 }
 
