@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use mongodb::bson::{Bson, Document};
+use rdkafka::Message;
 use serde_json::{json, Value};
 use testkit::*;
 use tradebucket::config::{PayloadFormat, RegistrySettings, Settings, TopicFormat};
@@ -338,4 +339,165 @@ async fn produce_good_and_bad(registry: &SchemaRegistry, env: &TestEnv) {
     produce_fast(&env.kafka, avro_topic, &bad).await;
     let more: Vec<Value> = (6..=8).map(|n| avro_trade("A", n, 9, false)).collect();
     produce_avro(&env.kafka, &registry.url(), avro_topic, V1, &more).await;
+}
+
+/// The `--config` file of a deployment whose `topic` is Avro, read through
+/// `registry`.
+fn avro_config(env: &TestEnv, registry: &str, topic: &str) -> BTreeMap<String, String> {
+    let text = format!(
+        "[[formats]]\ntopic = \"{topic}\"\nformat = \"avro\"\n\n\
+         [schema_registry]\nurl = \"{registry}\"\nrequest_timeout = \"2s\"\n"
+    );
+    let path = std::env::temp_dir().join(format!("{}-avro.toml", env.group));
+    std::fs::write(&path, text).expect("write the config file");
+    let mut vars = env.vars(&[]);
+    vars.insert("TRADEBUCKET_CONFIG".into(), path.display().to_string());
+    vars
+}
+
+/// `tradebucket ARGS` with `vars`: (exit code, stdout, stderr).
+fn run(vars: &BTreeMap<String, String>, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(crate::bin())
+        .args(args)
+        .envs(vars)
+        .output()
+        .expect("run tradebucket");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code(), text(&out.stdout), text(&out.stderr))
+}
+
+/// `tradebucket reconcile --json ARGS`: (exit code, the report).
+fn reconcile(vars: &BTreeMap<String, String>, args: &[&str]) -> (Option<i32>, Value) {
+    let mut all = vec!["reconcile", "--json", "--rate", "0", "--timeout", "30s"];
+    all.extend(args);
+    let (code, out, err) = run(vars, &all);
+    let report = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} / {err}"));
+    (code, report)
+}
+
+/// Four Avro trades of customer 5 (`R-1`..`R-4`, offsets 0-3) and a
+/// record without the magic byte (offset 4).
+async fn produce_four_and_one_bad(env: &TestEnv, registry: &str) {
+    let good: Vec<Value> = (1..=4).map(|n| avro_trade("R", n, 5, false)).collect();
+    produce_avro(&env.kafka, registry, &env.topic, V1, &good).await;
+    let bad = Produced {
+        payload: Some(br#"{"customerId":5}"#.to_vec()),
+        ..Produced::default()
+    };
+    produce_fast(&env.kafka, &env.topic, &[bad]).await;
+}
+
+/// Runs the worker with `vars` until `n` trades are stored and the topic
+/// is committed to its end.
+async fn work_until_stored(env: &TestEnv, vars: &BTreeMap<String, String>, n: usize) {
+    let worker = WorkerProcess::start(crate::bin(), vars, Log::Quiet);
+    eventually("the trades stored", T, || async {
+        entries(env).await.len() == n
+    })
+    .await;
+    env.wait_committed_to_end(T).await;
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+}
+
+// Multi-threaded: the commands run blocking while the test kit's
+// registry answers them from this process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_reads_avro_records_as_the_worker_does_and_replays_their_bytes() {
+    let mut registry = SchemaRegistry::start().await;
+    let env = TestEnv::new("registry-reconcile", 1).await;
+    produce_four_and_one_bad(&env, &registry.url()).await;
+    let vars = avro_config(&env, &registry.url(), &env.topic);
+    work_until_stored(&env, &vars, 4).await;
+    assert_eq!(env.dead_letters(1, T).await.len(), 1);
+
+    // Read as JSON, the four would be bad records without dead letters.
+    let (code, report) = reconcile(&vars, &[]);
+    assert_eq!(code, Some(0), "{report}");
+    assert_eq!(report["total"]["stored"], 4, "{report}");
+    assert_eq!(report["total"]["dead_lettered"], 1, "{report}");
+
+    // Lost by hand: named by their offsets, and put back.
+    let store = env.store().await;
+    let buckets = store
+        .client()
+        .database(&env.db)
+        .collection::<Document>("trades");
+    buckets.delete_many(mongodb::bson::doc! {}).await.unwrap();
+    let (code, report) = reconcile(&vars, &["--replay-missing"]);
+    assert_eq!(code, Some(1), "{report}");
+    let missing: Vec<i64> = report["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["offset"].as_i64().unwrap())
+        .collect();
+    assert_eq!(missing, [0, 1, 2, 3], "{report}");
+    assert_eq!(report["replayed"], 4, "{report}");
+    work_until_stored(&env, &vars, 4).await;
+    // Each replay is its original's bytes: the worker read them as Avro.
+    let records = env.records_to_end();
+    assert_eq!(records.len(), 9);
+    for i in 0..4 {
+        assert_eq!(records[5 + i].payload(), records[i].payload(), "offset {i}");
+    }
+    let (code, report) = reconcile(&vars, &[]);
+    assert_eq!(
+        (code, &report["total"]["stored"]),
+        (Some(0), &json!(4)),
+        "{report}"
+    );
+
+    // A registry down: reconcile stops, naming it, rather than call the
+    // records bad.
+    registry.stop().await;
+    let (code, _, err) = run(&vars, &["reconcile", "--timeout", "2s"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("Schema Registry unavailable"), "{err}");
+    env.cleanup().await;
+}
+
+// Multi-threaded: the commands run blocking while the test kit's
+// registry answers them from this process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_avro_topic_read_as_json_is_put_right_by_dlq_replay_with_its_bytes() {
+    let registry = SchemaRegistry::start().await;
+    let env = TestEnv::new("registry-replay", 1).await;
+    produce_four_and_one_bad(&env, &registry.url()).await;
+    // The format forgotten: every record a dead letter.
+    let json_vars = env.vars(&[]);
+    let worker = WorkerProcess::start(crate::bin(), &json_vars, Log::Quiet);
+    assert_eq!(env.dead_letters(5, T).await.len(), 5);
+    env.wait_committed_to_end(T).await;
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+
+    // Put right: the dry run decodes each by the topic's format now.
+    let vars = avro_config(&env, &registry.url(), &env.topic);
+    let (code, out, err) = run(&vars, &["dlq", "replay", "--all", "--dry-run"]);
+    assert_eq!(code, Some(0), "{err}");
+    for n in 1..=4 {
+        let line = format!(
+            "as {}/0/{}: a trade of customer 5, key t:R-{n}",
+            env.topic,
+            n - 1
+        );
+        assert!(out.contains(&line), "{line} in\n{out}");
+    }
+    assert!(
+        out.contains("/0/4: a dead letter again (invalid_format: first byte is 0x7b"),
+        "{out}"
+    );
+    assert!(entries(&env).await.is_empty(), "a dry run sends nothing");
+
+    let (code, _, err) = run(&vars, &["dlq", "replay", "--all", "--rate", "0"]);
+    assert_eq!(code, Some(0), "{err}");
+    work_until_stored(&env, &vars, 4).await;
+    let records = env.records_to_end();
+    assert_eq!(records.len(), 10);
+    for i in 0..5 {
+        assert_eq!(records[5 + i].payload(), records[i].payload(), "offset {i}");
+    }
+    // The bad one is dead-lettered again, the rest stored once.
+    assert_eq!(env.dead_letters(6, T).await.len(), 6);
+    assert_eq!(entries(&env).await.len(), 4);
+    env.cleanup().await;
 }
