@@ -501,3 +501,64 @@ async fn an_avro_topic_read_as_json_is_put_right_by_dlq_replay_with_its_bytes() 
     assert_eq!(entries(&env).await.len(), 4);
     env.cleanup().await;
 }
+
+// Multi-threaded: the command runs blocking while the test kit's registry
+// answers it from this process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn map_reads_binary_samples_through_the_registry() {
+    let registry = SchemaRegistry::start().await;
+    let env = TestEnv::new("registry-map", 1).await;
+    produce_four_and_one_bad(&env, &registry.url()).await;
+    let records = env.records_to_end();
+    let vars = avro_config(&env, &registry.url(), &env.topic);
+    let dir = std::env::temp_dir();
+
+    // One record as consumed, its bytes the whole file.
+    let one = dir.join(format!("{}-one.bin", env.group));
+    std::fs::write(&one, records[0].payload().unwrap()).unwrap();
+    let (code, out, err) = run(&vars, &["map", "--sample", one.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    let shown: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(shown["customerId"], 5, "{shown}");
+    assert_eq!(shown["entry"]["key"], "t:R-1", "{shown}");
+    assert_eq!(
+        shown["entry"]["price"]["$numberDecimal"], "61.0100",
+        "{shown}"
+    );
+    assert_eq!(shown["entry"]["date"]["$date"], "2023-10-26T15:47:04.434Z");
+
+    // Records in base64, one a line: the bad one is the dead letter it was.
+    let lines = dir.join(format!("{}-lines.txt", env.group));
+    let text: String = [&records[1], &records[4]]
+        .iter()
+        .map(|m| format!("{}\n", base64(m.payload().unwrap())))
+        .collect();
+    std::fs::write(&lines, text).unwrap();
+    let (code, out, err) = run(&vars, &["map", "--sample", lines.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{err}");
+    let shown: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(shown[0]["entry"]["key"], "t:R-2", "{out}");
+    assert_eq!(shown[1]["deadLetter"]["kind"], "invalid_format", "{out}");
+    assert!(err.contains("1 samples would be dead-lettered"), "{err}");
+    env.cleanup().await;
+}
+
+/// Standard base64 with padding.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = (0..3).fold(0u32, |n, i| n << 8 | u32::from(*chunk.get(i).unwrap_or(&0)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
