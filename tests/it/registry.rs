@@ -238,6 +238,12 @@ async fn avro_protobuf_and_json_topics_store_equal_trades_across_a_schema_change
     assert_eq!(metrics.schema_fetches.get(), 4, "one fetch per schema id");
     assert!(metrics.schema_cache_hits.get() >= 8);
     assert_eq!(env.committed().values().sum::<i64>(), 6);
+    for topic in [&avro_topic, &proto_topic] {
+        let _ = admin(&env.kafka)
+            .delete_topics(&[topic], &rdkafka::admin::AdminOptions::new())
+            .await;
+    }
+    env.cleanup().await;
 }
 
 #[tokio::test]
@@ -303,6 +309,7 @@ async fn a_registry_outage_holds_and_permanent_faults_are_dead_letters() {
     // Nothing doubled: each trade once.
     assert_eq!(entries(&env).await.len(), 8);
     assert_eq!(env.dead_letters(5, Duration::from_secs(2)).await.len(), 4);
+    env.cleanup().await;
 }
 
 /// Eight good Avro trades (customer 9) around four bad records: no magic
