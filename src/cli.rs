@@ -40,6 +40,10 @@ pub enum CliError {
     Mapping(#[from] crate::config::MappingError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    #[error("Schema Registry client: {0}")]
+    RegistryClient(#[from] crate::registry::ClientError),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::Unavailable),
 }
 
 impl From<InitError> for CliError {
@@ -458,7 +462,12 @@ pub fn progress_bar(visible: bool, len: u64, things: &str) -> indicatif::Progres
 /// `tradebucket map`'s flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct MapOptions {
-    /// Sample payloads, one JSON object per line (blank lines are skipped).
+    /// Sample payloads, one JSON object per line (blank lines are
+    /// skipped). For an Avro or Protobuf topic: one record in the
+    /// Confluent wire format, the file its bytes as consumed (`kcat -C -t
+    /// T -o O -c 1 -f '%s' > record.bin`), or one record per line in
+    /// base64; its schema is fetched from `[schema_registry]` by the id in
+    /// its header.
     #[arg(long)]
     pub sample: std::path::PathBuf,
     /// The topic whose mapping reads them; may be left out when
@@ -472,6 +481,10 @@ pub struct MapOptions {
     /// A header every sample is read with, NAME=VALUE (repeatable).
     #[arg(long = "header", value_parser = parse_header)]
     pub headers: Vec<(String, String)>,
+    /// How long to wait for the Schema Registry (Avro and Protobuf
+    /// topics) before giving up.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub timeout: std::time::Duration,
 }
 
 fn parse_header(text: &str) -> Result<(String, String), String> {
@@ -482,42 +495,28 @@ fn parse_header(text: &str) -> Result<(String, String), String> {
 
 /// `tradebucket map --sample`: for each sample, one JSON line with the
 /// trade as it would be stored or the dead letter it would be, read by the
-/// topic's mapping exactly as the worker reads it (at partition 0, the
-/// line's index as offset). Returns how many would be dead-lettered.
-pub fn map_samples(
+/// topic's format and mapping exactly as the worker reads it (at
+/// partition 0, the sample's index as offset). Returns how many would be
+/// dead-lettered.
+pub async fn map_samples(
     settings: &Settings,
     opts: &MapOptions,
     out: &mut impl std::io::Write,
 ) -> Result<u64, CliError> {
-    use std::io::BufRead;
-    let topic = match (&opts.topic, settings.kafka.topics.as_slice()) {
-        (Some(t), topics) if topics.contains(t) => t.clone(),
-        (Some(t), _) => {
-            return Err(CliError::Usage(format!(
-                "topic {t:?} is not in kafka.topics"
-            )))
-        }
-        (None, [only]) => only.clone(),
-        (None, _) => {
-            return Err(CliError::Usage(
-                "kafka.topics has several topics: name one with --topic".into(),
-            ))
-        }
-    };
+    let topic = map_topic(settings, opts)?;
     let mappings = crate::event::Mappings::from_settings(settings)?;
     let mapping = mappings.get(&topic).map(|m| m.as_ref());
+    let formats =
+        crate::registry::Formats::from_settings(settings, crate::metrics::Metrics::new())?;
+    let binary = formats.format_of(&topic).uses_registry();
     let headers: Vec<(Vec<u8>, Option<Vec<u8>>)> = (opts.headers.iter())
         .map(|(n, v)| (n.clone().into_bytes(), Some(v.clone().into_bytes())))
         .collect();
+    let max = settings.kafka.max_message_bytes;
     let mut dead = 0;
-    let file = std::io::BufReader::new(std::fs::File::open(&opts.sample)?);
-    for (i, line) in file.lines().enumerate() {
-        let line = line?;
-        if line.trim().is_empty() {
-            continue;
-        }
+    for (i, payload) in samples(&std::fs::read(&opts.sample)?, binary)? {
         let parts = crate::event::RecordParts {
-            payload: Some(line.as_bytes()),
+            payload: Some(&payload),
             key: opts.key.as_deref().map(str::as_bytes),
             headers: &headers,
         };
@@ -526,11 +525,89 @@ pub fn map_samples(
             partition: 0,
             offset: i as i64,
         };
-        let mut shown =
-            crate::event::sample(mapping, parts, &source, settings.kafka.max_message_bytes);
+        let mut shown = if binary {
+            let wait = (&settings.retry, opts.timeout);
+            let decoded = formats.decode_now(parts, mapping, &source, max, wait);
+            crate::event::sample_of(decoded.await?)
+        } else {
+            crate::event::sample(mapping, parts, &source, max)
+        };
         dead += u64::from(shown.get("deadLetter").is_some());
         shown["line"] = (i + 1).into();
         writeln!(out, "{shown}")?;
     }
     Ok(dead)
+}
+
+/// The topic `map` reads its samples as.
+fn map_topic(settings: &Settings, opts: &MapOptions) -> Result<String, CliError> {
+    match (&opts.topic, settings.kafka.topics.as_slice()) {
+        (Some(t), topics) if topics.contains(t) => Ok(t.clone()),
+        (Some(t), _) => Err(CliError::Usage(format!(
+            "topic {t:?} is not in kafka.topics"
+        ))),
+        (None, [only]) => Ok(only.clone()),
+        (None, _) => Err(CliError::Usage(
+            "kafka.topics has several topics: name one with --topic".into(),
+        )),
+    }
+}
+
+/// The sample file's payloads, each with its index (its line's, less
+/// one): JSON, one per non-blank line; binary (`binary`), the whole file
+/// if it starts with the wire format's magic byte 0, else one base64
+/// record per non-blank line. Base64 text never starts with byte 0, so
+/// the two shapes cannot be mistaken for each other.
+fn samples(file: &[u8], binary: bool) -> Result<Vec<(usize, Vec<u8>)>, CliError> {
+    if binary && file.first() == Some(&0) {
+        return Ok(vec![(0, file.to_vec())]);
+    }
+    let text = std::str::from_utf8(file).map_err(|e| {
+        let what = if binary {
+            "neither a Confluent wire-format record (first byte 0) nor base64 lines"
+        } else {
+            "not UTF-8 text (JSON samples, one per line)"
+        };
+        CliError::Usage(format!("the sample file is {what}: {e}"))
+    })?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let payload = if binary {
+            crate::event::protobuf::base64_decode(line.trim())
+                .ok_or_else(|| CliError::Usage(format!("sample line {}: not base64", i + 1)))?
+        } else {
+            line.as_bytes().to_vec()
+        };
+        out.push((i, payload));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_files_of_either_shape_are_split_into_payloads() {
+        // JSON: a payload per non-blank line (CRLF or LF), its index kept.
+        let json = samples(b"{\"a\":1}\n\n {\"b\":2}\r\n", false).unwrap();
+        assert_eq!(
+            json,
+            [(0, b"{\"a\":1}".to_vec()), (2, b" {\"b\":2}".to_vec())]
+        );
+        // Binary: a whole wire-format record, or base64 lines.
+        let record = [0, 0, 0, 0, 1, 0xff, b'\n', 0x80];
+        assert_eq!(samples(&record, true).unwrap(), [(0, record.to_vec())]);
+        let lines = samples(b"AAAAAAH/CoA=\n\nAAAAAAI=\n", true).unwrap();
+        assert_eq!(lines, [(0, record.to_vec()), (2, vec![0, 0, 0, 0, 2])]);
+        // Neither: refused with what was expected, not a panic.
+        let e = samples(&[0xff, 0xfe], true).unwrap_err().to_string();
+        assert!(e.contains("first byte 0") && e.contains("base64"), "{e}");
+        let e = samples(b"not base64!\n", true).unwrap_err().to_string();
+        assert!(e.contains("line 1: not base64"), "{e}");
+        assert!(samples(&[0xff], false).is_err());
+    }
 }

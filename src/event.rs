@@ -408,7 +408,7 @@ mod values;
 use decode::{parse_object, payload_text, TradeFields};
 pub use mapping::{decode_mapped, Mapping, Mappings, RecordParts};
 pub use replay::{decode_record, position_text, replay_origin, H_REPLAY_OF};
-pub use sample::sample;
+pub use sample::{sample, sample_of};
 
 #[cfg(test)]
 mod tests;

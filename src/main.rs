@@ -237,7 +237,7 @@ async fn execute(command: Command, settings: Settings) -> anyhow::Result<ExitCod
         }
         Command::Reconcile(opts) => return reconcile(&settings, &opts).await,
         Command::Map(opts) => {
-            let dead = cli::map_samples(&settings, &opts, &mut std::io::stdout().lock())?;
+            let dead = cli::map_samples(&settings, &opts, &mut std::io::stdout().lock()).await?;
             if dead > 0 {
                 eprintln!("{dead} samples would be dead-lettered");
                 return Ok(ExitCode::FAILURE);

@@ -7,6 +7,9 @@ use std::time::Duration;
 use super::io::{self, DlqError};
 use super::{Filter, LetterView, Listing};
 use crate::config::Settings;
+use crate::event::{Mappings, RecordParts, Reject, Trade};
+use crate::metrics::Metrics;
+use crate::registry::{Formats, Unavailable};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum DlqCommand {
@@ -46,7 +49,9 @@ pub enum DlqCommand {
         /// Records per second at most; 0 is as fast as the broker takes them.
         #[arg(long, default_value_t = 100)]
         rate: u64,
-        /// Print what would be replayed; send nothing.
+        /// Print what would be replayed and what the worker would make of
+        /// each (a trade, or a dead letter again), decoded by its topic's
+        /// format and mapping as the worker decodes it; send nothing.
         #[arg(long)]
         dry_run: bool,
         /// Send this file's content as the payload instead of the dead
@@ -150,6 +155,62 @@ fn list(
     Ok(true)
 }
 
+/// `--dry-run`: each selected dead letter, where it would go, and what the
+/// worker would make of it now (the cause may have been fixed since: a
+/// mapping, a topic's format, a schema registered).
+async fn dry_run_report(
+    settings: &Settings,
+    chosen: &[(super::Letter, super::Replay)],
+    patience: Duration,
+) -> Result<(), DlqError> {
+    let mappings = Mappings::from_settings(settings)?;
+    let formats = Formats::from_settings(settings, Metrics::new())?;
+    for (l, r) in chosen {
+        let outcome = match outcome(settings, (&mappings, &formats), r, patience).await? {
+            Ok(t) => format!(
+                "a trade of customer {}, key {}",
+                t.customer.id_text(),
+                t.key
+            ),
+            Err(reject) => format!("a dead letter again ({reject})"),
+        };
+        println!(
+            "would replay {}:{} to {} as {}: {outcome}",
+            l.partition,
+            l.offset,
+            r.topic,
+            crate::event::position_text(&r.identity)
+        );
+    }
+    println!("dry run: {} dead letters, nothing sent", chosen.len());
+    Ok(())
+}
+
+/// The replay `r` decoded as the worker will read it: by its topic's
+/// format (an Avro or Protobuf payload through its writer's schema) and
+/// mapping, with its replay identity.
+async fn outcome(
+    settings: &Settings,
+    (mappings, formats): (&Mappings, &Formats),
+    r: &super::Replay,
+    patience: Duration,
+) -> Result<Result<Trade, Reject>, Unavailable> {
+    let parts = RecordParts {
+        payload: r.payload.as_deref(),
+        key: r.key.as_deref(),
+        headers: &r.headers,
+    };
+    // Read where it will be read: its topic (the identity names it), at a
+    // position not known before it is sent; the replay header, not the
+    // position, gives a trade without `tradeId` its key.
+    let at = r.identity.clone();
+    let mapping = mappings.get(&r.topic).map(AsRef::as_ref);
+    let max = settings.kafka.max_message_bytes;
+    formats
+        .decode_now(parts, mapping, &at, max, (&settings.retry, patience))
+        .await
+}
+
 /// `dlq replay`'s flags besides the topic and the filter.
 struct ReplayOptions {
     all: bool,
@@ -193,16 +254,7 @@ async fn replay(
         replay.payload = Some(corrected);
     }
     if *dry_run {
-        for (l, r) in &chosen {
-            println!(
-                "would replay {}:{} to {} as {}",
-                l.partition,
-                l.offset,
-                r.topic,
-                crate::event::position_text(&r.identity)
-            );
-        }
-        println!("dry run: {} dead letters, nothing sent", chosen.len());
+        dry_run_report(settings, &chosen, target.timeout).await?;
         return Ok(true);
     }
     let bar = crate::cli::progress_bar(

@@ -40,6 +40,12 @@ pub enum DlqError {
     /// was sent.
     #[error("nothing replayed: {0}")]
     Refused(String),
+    #[error(transparent)]
+    Mapping(#[from] crate::config::MappingError),
+    #[error("Schema Registry client: {0}")]
+    RegistryClient(#[from] crate::registry::ClientError),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::Unavailable),
 }
 
 /// The dead-letter topics of the configured source topics.

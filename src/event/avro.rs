@@ -350,7 +350,7 @@ fn push_instant(out: &mut String, t: i64, per_second: i64, utc: bool) {
 }
 
 /// Standard base64 with padding, as the proto3 JSON mapping writes bytes.
-fn base64(out: &mut String, bytes: &[u8]) {
+pub(crate) fn base64(out: &mut String, bytes: &[u8]) {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     for chunk in bytes.chunks(3) {
         let n = chunk

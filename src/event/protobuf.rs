@@ -3,8 +3,18 @@
 //! mapping (prost-reflect's): fields under their JSON names
 //! (`customer_id` is `customerId`, the default schema's name), a
 //! `google.protobuf.Timestamp` as RFC 3339 text in UTC (the date), enums
-//! by name, bytes as base64, and fields at their proto3 default left out,
-//! as the mapping does (so an unset `price` is absent, not `""`).
+//! by name, bytes as base64.
+//!
+//! A proto3 field without presence always has a value: unset, it is its
+//! default (0, `false`, the enum's first value, `""`), which the bytes
+//! cannot tell from the same value set. Such fields are written, as the
+//! mapping's `always_print_fields_with_no_presence` option writes them:
+//! left out, a `Side` whose 0 is `buy` would make every buy a trade
+//! without `type`, a dead letter. Fields with presence (`optional`,
+//! messages such as the Timestamp, wrappers, oneofs) are written only when
+//! set, so a trade field that may be absent (`price`, `currency`) is
+//! declared `optional`: a plain `string price` left unset is `""`, which
+//! the trade refuses as it would from JSON.
 //!
 //! Two choices differ from the mapping's defaults, so that the trade is
 //! the one a JSON upstream's would be: 64-bit integers are written as
@@ -123,7 +133,7 @@ impl ProtoSchema {
             .map_err(|e| invalid(format!("not a Protobuf {} ({e})", desc.full_name())))?;
         let options = SerializeOptions::new()
             .stringify_64_bit_integers(false)
-            .skip_default_fields(true);
+            .skip_default_fields(false);
         let mut out = serde_json::Serializer::new(Vec::with_capacity(body.len() * 2));
         message
             .serialize_with_options(&mut out, &options)
@@ -144,7 +154,7 @@ impl ProtoSchema {
 }
 
 /// Standard base64 (padding optional); `None` for anything else.
-fn base64_decode(text: &str) -> Option<Vec<u8>> {
+pub(crate) fn base64_decode(text: &str) -> Option<Vec<u8>> {
     let text = text.trim_end_matches('=');
     let mut out = Vec::with_capacity(text.len() * 3 / 4);
     let (mut acc, mut bits) = (0u32, 0);

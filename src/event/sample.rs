@@ -18,6 +18,12 @@ pub fn sample(
     max_bytes: usize,
 ) -> serde_json::Value {
     let decoded = decode_mapped(mapping, record, Identity::Read(source), max_bytes);
+    sample_of(decoded)
+}
+
+/// What [`sample`] prints for a record already decoded (an Avro or
+/// Protobuf one, through `registry::Formats`).
+pub fn sample_of(decoded: Result<Trade, Reject>) -> serde_json::Value {
     match decoded.and_then(|t| {
         let entry = t.entry().map_err(|e| {
             Reject::new(

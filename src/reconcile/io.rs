@@ -26,7 +26,9 @@ use crate::dlq::Replay;
 use crate::event::{self, CustomerId, Mappings, RecordParts, Source, H_REPLAY_OF};
 use crate::kafka::headers::{self, Header};
 use crate::kafka::{self, ScrubbedLogs, SetupError, OUR_HEADER_PREFIX};
+use crate::metrics::Metrics;
 use crate::ratelimit::RateLimit;
+use crate::registry::{ClientError, Decode, Formats, SchemaId, Unavailable};
 
 /// Trades looked up in MongoDB per query (two keys each at most).
 const LOOKUP_BATCH: usize = 1_000;
@@ -56,7 +58,9 @@ pub struct Options {
     /// and MongoDB; also the rate of replays.
     #[arg(long, default_value_t = 20_000)]
     pub rate: u64,
-    /// Fail if the dead-letter topics are not read to their end within this long.
+    /// Fail if the dead-letter topics are not read to their end within
+    /// this long, or if the Schema Registry stays unavailable this long
+    /// while an Avro or Protobuf record waits for its schema.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
     /// Print the report as JSON (same exit code).
@@ -83,6 +87,12 @@ pub enum ReconcileError {
     Collection(String),
     #[error(transparent)]
     Mapping(#[from] MappingError),
+    #[error("Schema Registry client: {0}")]
+    RegistryClient(#[from] ClientError),
+    /// A record's schema could not be had: reconcile cannot tell whether
+    /// it is a trade, so it stops rather than call it bad.
+    #[error(transparent)]
+    Registry(#[from] Unavailable),
     #[error("{topic} partition {partition}: no record arrived for {limit:?} at offset {at} (reading up to {to})")]
     Stalled {
         topic: String,
@@ -168,6 +178,8 @@ pub async fn run_with(
     let mut check = Check {
         settings,
         mappings: Mappings::from_settings(settings)?,
+        formats: Formats::from_settings(settings, Metrics::new())?,
+        patience: opts.timeout,
         store,
         known: trusted.then(|| KnownKeys::new(KNOWN_KEYS)),
         slots: Slots {
@@ -345,6 +357,9 @@ struct Read {
     headers: Vec<Header>,
     /// Its customer and key, if it is a trade.
     trade: Option<(CustomerId, String)>,
+    /// The schema an Avro or Protobuf record waits for (`trade` is `None`
+    /// until it is fetched).
+    pending: Option<SchemaId>,
 }
 
 /// The state of one reconcile run.
@@ -353,6 +368,11 @@ struct Check<'a> {
     /// The topics' input mappings: a record is decoded as the worker
     /// decodes it, or a trade id read from a header would not be found.
     mappings: Mappings,
+    /// The topics' formats: an Avro or Protobuf record is read through
+    /// its writer's schema, as the worker reads it.
+    formats: Formats,
+    /// How long a record may wait for the Schema Registry.
+    patience: Duration,
     store: BucketStore,
     /// Buckets already read, by key; `None` while keys are not unique.
     known: Option<KnownKeys>,
@@ -392,37 +412,55 @@ impl Check<'_> {
         Ok(())
     }
 
+    /// The record, decoded by its topic's format and mapping as the
+    /// worker decodes it; one whose schema is not in memory is left
+    /// pending ([`Check::resolve`]).
     fn read(&self, m: BorrowedMessage<'_>) -> Read {
-        let at = Source {
-            topic: m.topic().into(),
-            partition: m.partition(),
-            offset: m.offset(),
-        };
-        let headers = headers::read(m.headers());
-        let max = self.settings.kafka.max_message_bytes;
-        let parts = RecordParts {
-            payload: m.payload(),
-            key: m.key(),
-            headers: &headers,
-        };
-        let mapping = self.mappings.get(&at.topic).map(AsRef::as_ref);
-        let trade = event::decode_record(parts, mapping, &at, max);
-        let trade = trade.ok().map(|t| (t.customer, t.key));
-        Read {
-            at,
+        let mut r = Read {
+            at: Source {
+                topic: m.topic().into(),
+                partition: m.partition(),
+                offset: m.offset(),
+            },
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec),
-            headers,
-            trade,
+            headers: headers::read(m.headers()),
+            trade: None,
+            pending: None,
+        };
+        let max = self.settings.kafka.max_message_bytes;
+        let mapping = self.mappings.get(&r.at.topic).map(AsRef::as_ref);
+        match self.formats.decode(r.parts(), mapping, &r.at, max, None) {
+            Decode::Done(trade) => r.trade = trade.ok().map(|t| (t.customer, t.key)),
+            Decode::Missing(id) => r.pending = Some(id),
         }
+        r
+    }
+
+    /// The batch's pending records decoded, their schemas fetched (each
+    /// once: the fetched ones are cached).
+    async fn resolve(&self, batch: &mut [Read]) -> Result<(), ReconcileError> {
+        let max = self.settings.kafka.max_message_bytes;
+        for r in batch.iter_mut().filter(|r| r.pending.is_some()) {
+            let mapping = self.mappings.get(&r.at.topic).map(AsRef::as_ref);
+            let wait = (&self.settings.retry, self.patience);
+            let trade = self
+                .formats
+                .decode_now(r.parts(), mapping, &r.at, max, wait)
+                .await?;
+            r.trade = trade.ok().map(|t| (t.customer, t.key));
+            r.pending = None;
+        }
+        Ok(())
     }
 
     /// Looks the batch's trades up, gives each record its verdict, and
     /// replays the missing ones if asked.
-    async fn judge(&mut self, batch: Vec<Read>) -> Result<(), ReconcileError> {
+    async fn judge(&mut self, mut batch: Vec<Read>) -> Result<(), ReconcileError> {
         if batch.is_empty() {
             return Ok(());
         }
+        self.resolve(&mut batch).await?;
         tokio::time::sleep(self.limit.reserve(batch.len(), tokio::time::Instant::now())).await;
         let keys: Vec<Vec<String>> = batch
             .iter()
@@ -507,6 +545,16 @@ impl Check<'_> {
             }
         }
         Ok(found)
+    }
+}
+
+impl Read {
+    fn parts(&self) -> RecordParts<'_> {
+        RecordParts {
+            payload: self.payload.as_deref(),
+            key: self.key.as_deref(),
+            headers: &self.headers,
+        }
     }
 }
 

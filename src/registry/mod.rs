@@ -23,6 +23,7 @@
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use lru::LruCache;
 
@@ -32,12 +33,13 @@ pub mod wire;
 pub use client::{Client, ClientError, FetchError, RawSchema};
 pub use wire::SchemaId;
 
-use crate::config::{PayloadFormat, Settings};
+use crate::config::{PayloadFormat, RetrySettings, Settings};
 use crate::event;
 use crate::event::avro::AvroSchema;
 use crate::event::protobuf::ProtoSchema;
 use crate::event::{Mapping, RecordParts, Reject, RejectKind, Source, Trade};
 use crate::metrics::{Metrics, RegistryErrorKind};
+use crate::retry::Backoff;
 
 /// How many times `kafka.max_message_bytes` the JSON form of a binary
 /// record may take: Avro and Protobuf are denser than JSON (names, quotes,
@@ -319,24 +321,52 @@ impl Formats {
         !self.topics.is_empty()
     }
 
-    /// Fetches what `ids` lack, retrying with backoff while the registry
-    /// is unavailable (for the commands, which have no stage): `None` once
-    /// `give_up` says so.
-    pub async fn fetch_until(
+    /// Decodes a record for a command (`reconcile`, `dlq replay
+    /// --dry-run`, `map --sample`), which has no stage to wait in: a
+    /// schema not in memory is fetched there and then, retried with
+    /// `retry`'s backoff while the registry is unavailable, for at most
+    /// `patience`. After that the command fails ([`Unavailable`]) rather
+    /// than call a record bad for the registry's sake.
+    pub async fn decode_now(
         &self,
-        ids: &[SchemaId],
-        backoff: &mut crate::retry::Backoff,
-        mut give_up: impl FnMut(&str) -> bool,
-    ) -> Option<Resolved> {
-        loop {
-            match self.fetch(ids).await {
-                Ok(r) => return Some(r),
-                Err(why) if give_up(&why) => return None,
+        record: RecordParts<'_>,
+        mapping: Option<&Mapping>,
+        source: &Source,
+        max_bytes: usize,
+        (retry, patience): (&RetrySettings, Duration),
+    ) -> Result<Result<Trade, Reject>, Unavailable> {
+        let id = match self.decode(record, mapping, source, max_bytes, None) {
+            Decode::Done(r) => return Ok(r),
+            Decode::Missing(id) => id,
+        };
+        let deadline = tokio::time::Instant::now() + patience;
+        let mut backoff = Backoff::new(retry);
+        let resolved = loop {
+            match self.fetch(&[id]).await {
+                Ok(r) => break r,
+                Err(why) if tokio::time::Instant::now() >= deadline => {
+                    return Err(Unavailable(why))
+                }
                 Err(_) => tokio::time::sleep(backoff.next_wait()).await,
             }
-        }
+        };
+        Ok(
+            match self.decode(record, mapping, source, max_bytes, Some(&resolved)) {
+                Decode::Done(r) => r,
+                // `fetch` resolved the id; kept total all the same.
+                Decode::Missing(id) => Err(Reject::new(
+                    RejectKind::InvalidSchema,
+                    format!("schema id {id} could not be resolved"),
+                )),
+            },
+        )
     }
 }
+
+/// A command gave up waiting for the Schema Registry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("Schema Registry unavailable: {0}")]
+pub struct Unavailable(pub String);
 
 /// The schema id a binary record names, if its header is readable.
 pub fn schema_id_of(payload: Option<&[u8]>) -> Option<SchemaId> {

@@ -1,13 +1,26 @@
-"""Produces records with confluent-kafka's own AvroSerializer, the bytes a
-real upstream's client writes (Confluent wire format, schema registered
-in the registry under <topic>-value). The tests run it with the venv that
-`scripts/stack install` makes (install_python_producers).
+"""Produces records with confluent-kafka's own AvroSerializer or
+ProtobufSerializer, the bytes a real upstream's client writes (Confluent
+wire format, schema registered in the registry under <topic>-value). The
+tests run it with the venv that `scripts/stack install` makes
+(install_python_producers).
 
-  produce_registry.py BROKERS REGISTRY_URL TOPIC SCHEMA_FILE < records.jsonl
+  produce_registry.py avro BROKERS REGISTRY_URL TOPIC SCHEMA_FILE < records.jsonl
+  produce_registry.py protobuf BROKERS REGISTRY_URL TOPIC DESCRIPTOR_SET MESSAGE < records.jsonl
 
-Each input line is one record as JSON; strings of the fields named in the
-schema as Avro decimals become decimal.Decimal (exact), as an upstream's
-own values would be.
+Each input line is one record as JSON.
+
+Avro: strings of the fields named in the schema as Avro decimals become
+decimal.Decimal (exact), as an upstream's own values would be.
+
+Protobuf: DESCRIPTOR_SET is a serialized FileDescriptorSet of the .proto
+file and its imports (what `protoc --include_imports
+--descriptor_set_out` writes; the test kit compiles it with protox, as no
+protoc is installed here); MESSAGE the full name of the message to write.
+Each record is read by the proto3 JSON mapping (json_format.ParseDict), so
+a Timestamp is given as RFC 3339 text, and the message class is made from
+the descriptor the way generated code makes it. The serializer registers
+the file as it does for generated code (its FileDescriptorProto, base64,
+well-known imports not referenced) and writes the message indexes.
 """
 import decimal
 import json
@@ -15,7 +28,6 @@ import sys
 
 from confluent_kafka import Producer
 from confluent_kafka.schema_registry import SchemaRegistryClient
-from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 
@@ -30,12 +42,46 @@ def decimal_fields(schema):
     return names
 
 
-def main():
-    brokers, registry, topic, schema_file = sys.argv[1:5]
+def avro_serializer(client, schema_file):
+    from confluent_kafka.schema_registry.avro import AvroSerializer
+
     schema_str = open(schema_file).read()
     decimals = decimal_fields(json.loads(schema_str))
-    client = SchemaRegistryClient({"url": registry})
     serializer = AvroSerializer(client, schema_str, lambda obj, ctx: obj)
+
+    def serialize(record, ctx):
+        for name in decimals:
+            if isinstance(record.get(name), str):
+                record[name] = decimal.Decimal(record[name])
+        return serializer(record, ctx)
+
+    return serialize
+
+
+def protobuf_serializer(client, descriptor_set, message):
+    from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+    from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
+
+    files = descriptor_pb2.FileDescriptorSet()
+    files.ParseFromString(open(descriptor_set, "rb").read())
+    pool = descriptor_pool.DescriptorPool()
+    # Imports first, as protoc and protox write them.
+    for f in files.file:
+        pool.Add(f)
+    cls = message_factory.GetMessageClass(pool.FindMessageTypeByName(message))
+    serializer = ProtobufSerializer(cls, client, {"use.deprecated.format": False})
+    return lambda record, ctx: serializer(json_format.ParseDict(record, cls()), ctx)
+
+
+def main():
+    kind, brokers, registry, topic = sys.argv[1:5]
+    client = SchemaRegistryClient({"url": registry})
+    if kind == "avro":
+        serialize = avro_serializer(client, sys.argv[5])
+    elif kind == "protobuf":
+        serialize = protobuf_serializer(client, sys.argv[5], sys.argv[6])
+    else:
+        sys.exit(f"unknown format {kind!r}: avro or protobuf")
     producer = Producer({"bootstrap.servers": brokers, "enable.idempotence": True})
     ctx = SerializationContext(topic, MessageField.VALUE)
     count = 0
@@ -43,11 +89,7 @@ def main():
         line = line.strip()
         if not line:
             continue
-        record = json.loads(line)
-        for name in decimals:
-            if isinstance(record.get(name), str):
-                record[name] = decimal.Decimal(record[name])
-        producer.produce(topic, value=serializer(record, ctx))
+        producer.produce(topic, value=serialize(json.loads(line), ctx))
         count += 1
     if producer.flush(30) != 0:
         sys.exit("not every record was acknowledged")

@@ -284,24 +284,59 @@ pub async fn produce_avro(
     schema: &str,
     records: &[Value],
 ) {
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/produce_registry.py");
     let schema_file = std::env::temp_dir().join(format!("{topic}-{}.avsc", records.len()));
     std::fs::write(&schema_file, schema).expect("write the schema file");
+    let args = [
+        "avro",
+        brokers,
+        registry,
+        topic,
+        &schema_file.display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    run_producer(args, records).await;
+}
+
+/// Produces `records` (the proto3 JSON form of `message`: a Timestamp as
+/// RFC 3339 text, 64-bit integers as strings or numbers) to `topic` with
+/// confluent-kafka's `ProtobufSerializer`, registering the file `proto`
+/// (`.proto` text, compiled here by protox as protoc would, with its
+/// well-known imports) in `registry` as `<topic>-value`.
+pub async fn produce_protobuf(
+    brokers: &str,
+    registry: &str,
+    topic: &str,
+    proto: &str,
+    message: &str,
+    records: &[Value],
+) {
+    let dir = std::env::temp_dir().join(format!("{topic}-{}-proto", records.len()));
+    std::fs::create_dir_all(&dir).expect("make the .proto folder");
+    std::fs::write(dir.join("trade.proto"), proto).expect("write the .proto file");
+    let mut set = protox::compile(["trade.proto"], [&dir]).expect("a valid .proto file");
+    // As generated code holds it: no source info.
+    set.file.iter_mut().for_each(|f| f.source_code_info = None);
+    let set_file = dir.join("trade.pb");
+    std::fs::write(&set_file, prost::Message::encode_to_vec(&set)).expect("write the set");
+    let set_file = set_file.display().to_string();
+    let args = ["protobuf", brokers, registry, topic, &set_file, message]
+        .map(String::from)
+        .to_vec();
+    run_producer(args, records).await;
+}
+
+/// Runs `produce_registry.py` with `args`, `records` on its input, one
+/// JSON object a line.
+async fn run_producer(args: Vec<String>, records: &[Value]) {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/produce_registry.py");
     let input: String = records.iter().map(|r| format!("{r}\n")).collect();
-    let (python, args) = (
-        producers_python(),
-        [
-            script.display().to_string(),
-            brokers.into(),
-            registry.into(),
-            topic.into(),
-            schema_file.display().to_string(),
-        ],
-    );
+    let python = producers_python();
     let out = tokio::task::spawn_blocking(move || {
         use std::io::Write;
         let mut child = std::process::Command::new(python)
+            .arg(script)
             .args(args)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())

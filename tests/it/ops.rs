@@ -560,3 +560,61 @@ async fn a_partition_the_consumer_cannot_read_fails_readiness_with_its_name() {
 
 /// The partition window (5 s) plus two checks (10 s each) and slack.
 const T_STALL: Duration = Duration::from_secs(60);
+
+/// `check-config` with a `--config` file holding `text` and the
+/// environment `vars`: (exit code, stdout and stderr together).
+fn check_config_file(text: &str, vars: &[(&str, &str)]) -> (Option<i32>, String) {
+    let dir = std::env::temp_dir().join(unique("check-config-registry"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("site.toml");
+    std::fs::write(&file, text).unwrap();
+    let (code, stdout, stderr) = check_config(&["--config", file.to_str().unwrap()], vars);
+    std::fs::remove_dir_all(&dir).ok();
+    (code, format!("{stdout}{stderr}"))
+}
+
+/// The Schema Registry's basic-auth password (from the environment) and
+/// bearer token (from the file) are printed `<redacted>`; a refused
+/// registry section, and a URL carrying credentials, name the setting,
+/// not the secret.
+#[test]
+fn check_config_never_prints_the_registry_secrets() {
+    let formats = "[kafka]\ntopics = [\"trades-avro\"]\n\
+                   [[formats]]\ntopic = \"trades-avro\"\nformat = \"avro\"\n";
+    let basic = format!(
+        "{formats}[schema_registry]\nurl = \"https://registry.example:8081\"\nusername = \"reg-user\"\n"
+    );
+    let pw = [("TRADEBUCKET__SCHEMA_REGISTRY__PASSWORD", "reg-pw-s3cret")];
+    let (code, text) = check_config_file(&basic, &pw);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("username = \"reg-user\""), "{text}");
+    assert!(text.contains("password = \"<redacted>\""), "{text}");
+    assert!(!text.contains("reg-pw-s3cret"), "{text}");
+
+    let bearer = format!(
+        "{formats}[schema_registry]\nurl = \"https://registry.example:8081\"\nbearer_token = \"tok-s3cret\"\n"
+    );
+    let (code, text) = check_config_file(&bearer, &[]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("bearer_token = \"<redacted>\""), "{text}");
+    assert!(!text.contains("tok-s3cret"), "{text}");
+
+    // Both at once: refused, naming the setting, showing neither.
+    let both = format!("{basic}bearer_token = \"tok-s3cret\"\n");
+    let (code, text) = check_config_file(&both, &pw);
+    assert_eq!(code, Some(64), "{text}");
+    assert!(text.contains("schema_registry.bearer_token"), "{text}");
+    assert!(
+        !text.contains("reg-pw-s3cret") && !text.contains("tok-s3cret"),
+        "{text}"
+    );
+
+    // Credentials in the URL: refused without echoing them.
+    let in_url = format!(
+        "{formats}[schema_registry]\nurl = \"https://reg-user:url-s3cret@registry.example\"\n"
+    );
+    let (code, text) = check_config_file(&in_url, &[]);
+    assert_eq!(code, Some(64), "{text}");
+    assert!(text.contains("schema_registry.url"), "{text}");
+    assert!(!text.contains("url-s3cret"), "{text}");
+}
