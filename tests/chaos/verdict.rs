@@ -685,8 +685,12 @@ impl Scenario {
         self.write_report(&report);
         print_samples(&trades, &dead);
         self.assert_verdict(&settled, &trades, &audit, &dead);
-        // Leave nothing behind: the private servers go with the stack.
-        let _ = std::fs::remove_dir_all(report_dir().join("logs").join(self.name));
+        // Leave nothing behind (the private servers go with the stack),
+        // unless asked to keep the workers' logs of a passing run, to see
+        // where a slow one spent its time.
+        if std::env::var_os("TRADEBUCKET_CHAOS_KEEP_LOGS").is_none() {
+            let _ = std::fs::remove_dir_all(report_dir().join("logs").join(self.name));
+        }
     }
 
     /// Waits (bounded) for the commits to reach the end, then stops every
