@@ -916,7 +916,10 @@ fn avro_decode(wire: &[Wire], rounds: usize) -> anyhow::Result<(Meter, Meter, us
         })
         .collect::<anyhow::Result<_>>()?;
     let avro_bytes = avro.iter().map(|w| w.payload.len()).sum::<usize>() / avro.len().max(1);
-    let (plain, binary) = (stage_intake("trades", wire), stage_intake(AVRO_TOPIC, &avro));
+    let (plain, binary) = (
+        stage_intake("trades", wire),
+        stage_intake(AVRO_TOPIC, &avro),
+    );
     let none = Mappings::default();
     let (mut d, mut a) = (Meter::default(), Meter::default());
     for _ in 0..rounds.max(1) {
