@@ -17,7 +17,7 @@ const TRADE: &str = r#"{"type":"record","name":"Trade","namespace":"t","fields":
 // The deprecated one-call writer is enough to make test bytes.
 #[allow(deprecated)]
 fn encode(schema: &AvroSchema, value: V) -> Vec<u8> {
-    apache_avro::to_avro_datum(&schema.root, value).unwrap()
+    apache_avro::to_avro_datum(schema.root(), value).unwrap()
 }
 
 fn trade_value(price_unscaled: &[u8]) -> V {
