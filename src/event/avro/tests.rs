@@ -132,3 +132,17 @@ proptest! {
         prop_assert!(crate::event::values::is_json_number(&text), "{}", text);
     }
 }
+
+proptest! {
+    /// The writer's own string path (no escapes needed) gives serde_json's
+    /// text exactly, for any string, escapes and control characters
+    /// included.
+    #[test]
+    fn strings_are_written_as_serde_json_writes_them(s in any::<String>(), plain in "[a-zA-Z0-9 ./_-]{0,20}") {
+        for text in [&s, &plain] {
+            let mut out = String::new();
+            push_json_string(&mut out, text);
+            prop_assert_eq!(out, serde_json::to_string(text).unwrap());
+        }
+    }
+}
