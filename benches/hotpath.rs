@@ -999,9 +999,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let payload_bytes = first.iter().map(|w| w.payload.len()).sum::<usize>() / first.len();
-    let mapped = mapped_decode(&first, args.mapped_rounds)?;
-    let floor = library_floor(&first, args.mapped_rounds)?;
-    let avro = avro_decode(&first, args.mapped_rounds)?;
+    let (mapped, floor, avro) = decode_comparisons(&first, args.mapped_rounds)?;
     let report = Report {
         args: &args,
         batch,
@@ -1017,6 +1015,18 @@ fn main() -> anyhow::Result<()> {
     };
     report.print();
     report.write_json()
+}
+
+/// The other decodes of the first measured batch, `rounds` each: mapped
+/// against default, the parse floor, Avro against default.
+type Comparisons = ((Meter, Meter), Meter, (Meter, Meter, usize));
+
+fn decode_comparisons(first: &[Wire], rounds: usize) -> anyhow::Result<Comparisons> {
+    Ok((
+        mapped_decode(first, rounds)?,
+        library_floor(first, rounds)?,
+        avro_decode(first, rounds)?,
+    ))
 }
 
 /// Callgrind forgets the warm-up's counts here
