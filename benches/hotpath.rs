@@ -62,7 +62,7 @@ use tradebucket::config::Settings;
 use tradebucket::event::{CustomerId, Mappings, Source, Trade};
 use tradebucket::metrics::Metrics;
 use tradebucket::pipeline::{decode_batch, Decoded, Record};
-use tradebucket::registry::Formats;
+use tradebucket::registry::{Formats, RawSchema, Schema};
 
 // ---------------------------------------------------------------------
 // The counting allocator: every allocation of this program passes through
@@ -816,6 +816,144 @@ fn mapped_decode(wire: &[Wire], rounds: usize) -> anyhow::Result<(Meter, Meter)>
 }
 
 // ---------------------------------------------------------------------
+// Avro decode (issue #48) against the default JSON one: the same trades,
+// once as `produce` writes them and once in the Confluent wire format
+// under the product's Avro shape (docs/operations.md, tests/it/registry.rs),
+// decoded through a registry whose cache holds the schema already, so no
+// request is made and the decode alone is timed.
+
+const AVRO_TOPIC: &str = "trades-avro";
+
+/// The id the records' header names; any id, the cache is filled by hand.
+const AVRO_SCHEMA_ID: u32 = 1;
+
+/// Price at scale 2: `produce` writes cents, so the stored Decimal128s are
+/// the JSON ones exactly and the check below can compare entries.
+const AVRO_TRADE: &str = r#"{"type":"record","name":"Trade","namespace":"example.trades","fields":[
+  {"name":"tradeId","type":"string"},
+  {"name":"customerId","type":"long"},
+  {"name":"type","type":{"type":"enum","name":"Side","symbols":["buy","sell"]}},
+  {"name":"ticker","type":"string"},
+  {"name":"qty","type":"long"},
+  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":18,"scale":2}},
+  {"name":"currency","type":["null","string"],"default":null},
+  {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}}]}"#;
+
+/// The registry's URL in the settings: never contacted (nothing is
+/// missing from the cache), and a closed port if it were.
+const AVRO_CONFIG: &str = r#"
+[kafka]
+topics = ["trades-avro"]
+
+[[formats]]
+topic = "trades-avro"
+format = "avro"
+
+[schema_registry]
+url = "http://127.0.0.1:9"
+"#;
+
+/// The decode's formats, with [`AVRO_TRADE`] in memory under its id.
+fn avro_formats() -> anyhow::Result<(Formats, usize)> {
+    let file = PathBuf::from("target/bench/hotpath-avro.toml");
+    std::fs::create_dir_all("target/bench")?;
+    std::fs::write(&file, AVRO_CONFIG)?;
+    let settings = Settings::load_from(Some(&file), Some(BTreeMap::new()))?;
+    let formats = Formats::from_settings(&settings, Metrics::new())?;
+    let raw = RawSchema {
+        schema_type: "AVRO".into(),
+        text: AVRO_TRADE.into(),
+        references: Vec::new(),
+    };
+    let schema = Schema::parse(&raw).map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(formats.remember(AVRO_SCHEMA_ID, schema), "no registry");
+    Ok((formats, settings.kafka.max_message_bytes))
+}
+
+/// One of `produce`'s payloads as an upstream's Avro producer writes it:
+/// magic byte, schema id, then the datum.
+// The deprecated one-call writer is enough to make the bench's bytes.
+#[allow(deprecated)]
+fn as_avro_record(schema: &apache_avro::Schema, payload: &[u8]) -> anyhow::Result<Vec<u8>> {
+    use apache_avro::types::Value as V;
+    let t: serde_json::Value = serde_json::from_slice(payload)?;
+    let text = |f: &str| t[f].as_str().unwrap_or_default().to_string();
+    let long = |f: &str| t[f].as_i64().unwrap_or_default();
+    let side = text("type");
+    let cents: i64 = text("price").replace('.', "").parse()?;
+    let value = V::Record(vec![
+        ("tradeId".into(), V::String(text("tradeId"))),
+        ("customerId".into(), V::Long(long("customerId"))),
+        ("type".into(), V::Enum(u32::from(side == "sell"), side)),
+        ("ticker".into(), V::String(text("ticker"))),
+        ("qty".into(), V::Long(long("qty"))),
+        ("price".into(), V::Decimal(cents.to_be_bytes().into())),
+        (
+            "currency".into(),
+            V::Union(1, Box::new(V::String(text("currency")))),
+        ),
+        ("date".into(), V::TimestampMillis(long("date"))),
+    ]);
+    let mut record = vec![0];
+    record.extend_from_slice(&AVRO_SCHEMA_ID.to_be_bytes());
+    record.extend(apache_avro::to_avro_datum(schema, value)?);
+    Ok(record)
+}
+
+/// The default decode and the Avro one of the same batch, interleaved
+/// round by round; checks that both store the same entries.
+fn avro_decode(wire: &[Wire], rounds: usize) -> anyhow::Result<(Meter, Meter, usize)> {
+    let (formats, max) = avro_formats()?;
+    let schema = apache_avro::Schema::parse_str(AVRO_TRADE)?;
+    let avro: Vec<Wire> = wire
+        .iter()
+        .map(|w| {
+            Ok(Wire {
+                payload: as_avro_record(&schema, &w.payload)?,
+                key: w.key.clone(),
+                ..*w
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let avro_bytes = avro.iter().map(|w| w.payload.len()).sum::<usize>() / avro.len().max(1);
+    let (plain, binary) = (
+        stage_intake("trades", wire),
+        stage_intake(AVRO_TOPIC, &avro),
+    );
+    let none = Mappings::default();
+    let (mut d, mut a) = (Meter::default(), Meter::default());
+    for _ in 0..rounds.max(1) {
+        let (mut dr, mut ar) = (Meter::default(), Meter::default());
+        let default_out = dr.run(plain.len(), || stage_decode_json_twin(&plain, &none, max));
+        let avro_out = ar.run(binary.len(), || stage_decode_avro(&binary, &formats, max));
+        let same = default_out.events.len() == wire.len()
+            && avro_out.events.len() == wire.len()
+            && avro_out
+                .events
+                .iter()
+                .zip(&default_out.events)
+                .all(|(a, b)| a.0.doc == b.0.doc && a.0.key == b.0.key);
+        anyhow::ensure!(same, "the Avro trades are not stored as the JSON ones");
+        d.add(dr);
+        a.add(ar);
+    }
+    Ok((d, a, avro_bytes))
+}
+
+/// The JSON decode beside the Avro one, a function of its own so that
+/// callgrind's inclusive counts show the two side by side.
+#[inline(never)]
+fn stage_decode_json_twin(records: &[Record], none: &Mappings, max_bytes: usize) -> Decoded {
+    decode_batch(records, none, &Formats::default(), max_bytes)
+}
+
+/// The Avro decode of a batch.
+#[inline(never)]
+fn stage_decode_avro(records: &[Record], formats: &Formats, max_bytes: usize) -> Decoded {
+    decode_batch(records, &Mappings::default(), formats, max_bytes)
+}
+
+// ---------------------------------------------------------------------
 // The run and its report.
 
 fn main() -> anyhow::Result<()> {
@@ -861,8 +999,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let payload_bytes = first.iter().map(|w| w.payload.len()).sum::<usize>() / first.len();
-    let mapped = mapped_decode(&first, args.mapped_rounds)?;
-    let floor = library_floor(&first, args.mapped_rounds)?;
+    let (mapped, floor, avro) = decode_comparisons(&first, args.mapped_rounds)?;
     let report = Report {
         args: &args,
         batch,
@@ -874,9 +1011,22 @@ fn main() -> anyhow::Result<()> {
         load: [load_before, load_average()],
         mapped: Some(&mapped),
         floor: Some(&floor),
+        avro: Some(&avro),
     };
     report.print();
     report.write_json()
+}
+
+/// The other decodes of the first measured batch, `rounds` each: mapped
+/// against default, the parse floor, Avro against default.
+type Comparisons = ((Meter, Meter), Meter, (Meter, Meter, usize));
+
+fn decode_comparisons(first: &[Wire], rounds: usize) -> anyhow::Result<Comparisons> {
+    Ok((
+        mapped_decode(first, rounds)?,
+        library_floor(first, rounds)?,
+        avro_decode(first, rounds)?,
+    ))
 }
 
 /// Callgrind forgets the warm-up's counts here
@@ -925,6 +1075,9 @@ struct Report<'a> {
     mapped: Option<&'a (Meter, Meter)>,
     /// The parse floor ([`stage_least`]).
     floor: Option<&'a Meter>,
+    /// The default and the Avro decode of the same trades, and the Avro
+    /// records' mean size.
+    avro: Option<&'a (Meter, Meter, usize)>,
 }
 
 impl Report<'_> {
@@ -966,6 +1119,7 @@ impl Report<'_> {
         println!("{:<14} {total:>10.0}   (intake + decode + write + free; write plans and encodes itself)", "worker path");
         self.print_sent();
         self.print_mapped();
+        self.print_avro();
         if let Some(f) = self.floor {
             println!(
                 "\nthe parse floor (serde_json's derive into borrowed fields, nothing else; {} rounds): \
@@ -992,6 +1146,24 @@ impl Report<'_> {
             m.median(),
             m.per_event(m.counts.allocs),
             m.median() / d.median()
+        );
+    }
+
+    /// Issue #48's bound: an Avro decode no slower than the default one.
+    fn print_avro(&self) {
+        let Some((d, a, bytes)) = self.avro else {
+            return;
+        };
+        println!(
+            "\ndecode of the same trades ({} rounds, median ns/event, allocs/event): \
+             JSON default schema {:.0} ns, {:.2}; Avro ({bytes} B records) through the \
+             registry's cache {:.0} ns, {:.2}; ratio {:.2}",
+            d.ns_per_event.len(),
+            d.median(),
+            d.per_event(d.counts.allocs),
+            a.median(),
+            a.per_event(a.counts.allocs),
+            a.median() / d.median()
         );
     }
 
@@ -1056,6 +1228,12 @@ impl Report<'_> {
                 "ratio_median": m.median() / d.median(),
             })),
             "library_floor": self.floor.map(Meter::json),
+            "decode_avro": self.avro.map(|(d, a, bytes)| json!({
+                "default_json": d.json(),
+                "avro": a.json(),
+                "avro_record_bytes": bytes,
+                "ratio_median": a.median() / d.median(),
+            })),
         });
         if let Some(dir) = self.args.json.parent() {
             std::fs::create_dir_all(dir)?;

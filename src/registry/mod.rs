@@ -247,6 +247,23 @@ impl Formats {
         found
     }
 
+    /// Puts `schema` in memory under `id`, as a fetch would have; `false`
+    /// without a registry (nothing is read through one). For a caller that
+    /// holds the writer's schema already: the hot-path bench measures the
+    /// decode with no network on the way.
+    pub fn remember(&self, id: SchemaId, schema: Schema) -> bool {
+        let Some(registry) = &self.registry else {
+            return false;
+        };
+        match registry.cache.lock() {
+            Ok(mut cache) => {
+                cache.put(id, Arc::new(schema));
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Fetches the schemas `ids` that are not in memory. `Err` says why
     /// the registry is unavailable: the caller retries the whole fetch
     /// later (what was fetched meanwhile is cached). An id the registry

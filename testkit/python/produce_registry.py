@@ -7,7 +7,10 @@ tests run it with the venv that `scripts/stack install` makes
   produce_registry.py avro BROKERS REGISTRY_URL TOPIC SCHEMA_FILE < records.jsonl
   produce_registry.py protobuf BROKERS REGISTRY_URL TOPIC DESCRIPTOR_SET MESSAGE < records.jsonl
 
-Each input line is one record as JSON.
+Each input line is one record as JSON. With --envelope first, each line is
+{"key": TEXT or null, "headers": [[NAME, VALUE], ...], "value": RECORD}
+and the output is each record's "PARTITION OFFSET", one a line, in input
+order (the chaos suite's recount needs where every record landed).
 
 Avro: strings of the fields named in the schema as Avro decimals become
 decimal.Decimal (exact), as an upstream's own values would be.
@@ -74,6 +77,9 @@ def protobuf_serializer(client, descriptor_set, message):
 
 
 def main():
+    envelope = sys.argv[1] == "--envelope"
+    if envelope:
+        del sys.argv[1]
     kind, brokers, registry, topic = sys.argv[1:5]
     client = SchemaRegistryClient({"url": registry})
     if kind == "avro":
@@ -84,16 +90,41 @@ def main():
         sys.exit(f"unknown format {kind!r}: avro or protobuf")
     producer = Producer({"bootstrap.servers": brokers, "enable.idempotence": True})
     ctx = SerializationContext(topic, MessageField.VALUE)
-    count = 0
+    placed = []
     for line in sys.stdin:
         line = line.strip()
         if not line:
             continue
-        producer.produce(topic, value=serialize(json.loads(line), ctx))
-        count += 1
-    if producer.flush(30) != 0:
+        if envelope:
+            env = json.loads(line)
+            key, headers, record = env.get("key"), env.get("headers", []), env["value"]
+        else:
+            key, headers, record = None, [], json.loads(line)
+        placed.append(None)
+        produce(producer, topic, key, headers, serialize(record, ctx), placed, len(placed) - 1)
+    if producer.flush(60) != 0:
         sys.exit("not every record was acknowledged")
-    print(count)
+    if envelope:
+        if any(p is None or isinstance(p, str) for p in placed):
+            sys.exit(f"a record was not delivered: {[p for p in placed if isinstance(p, str)][:3]}")
+        sys.stdout.write("".join(f"{p} {o}\n" for p, o in placed))
+    else:
+        print(len(placed))
+
+
+def produce(producer, topic, key, headers, value, placed, i):
+    def delivered(err, msg):
+        placed[i] = str(err) if err else (msg.partition(), msg.offset())
+
+    while True:
+        try:
+            producer.produce(topic, key=key, value=value, headers=[tuple(h) for h in headers],
+                             on_delivery=delivered)
+            break
+        except BufferError:
+            # The local queue is full (a large chunk): let deliveries drain.
+            producer.poll(0.1)
+    producer.poll(0)
 
 
 if __name__ == "__main__":

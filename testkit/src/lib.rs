@@ -43,6 +43,6 @@ pub use netfault::{FaultProxy, Protocol};
 pub use poll::{eventually, poll_until};
 pub use process::{audit_json, Fleet, Log, WorkerProcess, SIGINT, SIGTERM};
 pub use proxy::MongoProxy;
-pub use registry::{produce_avro, produce_protobuf, SchemaRegistry};
+pub use registry::{produce_avro, produce_avro_placed, produce_protobuf, SchemaRegistry};
 pub use servers::{free_port, http_get, PrivateKafka, PrivateMongo, Prometheus};
 pub use worker::Worker;

@@ -298,6 +298,47 @@ pub async fn produce_avro(
     run_producer(args, records).await;
 }
 
+/// A record for [`produce_avro_placed`]: its key, its headers, and the
+/// value as [`produce_avro`] takes it.
+pub type Enveloped = (Option<String>, Vec<(String, String)>, Value);
+
+/// [`produce_avro`] with each record's key and headers; where each landed
+/// (partition, offset), in the order given.
+pub async fn produce_avro_placed(
+    brokers: &str,
+    registry: &str,
+    topic: &str,
+    schema: &str,
+    records: &[Enveloped],
+) -> Vec<(i32, i64)> {
+    let schema_file = std::env::temp_dir().join(format!("{topic}-{}-placed.avsc", records.len()));
+    std::fs::write(&schema_file, schema).expect("write the schema file");
+    let args = [
+        "--envelope",
+        "avro",
+        brokers,
+        registry,
+        topic,
+        &schema_file.display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let lines: Vec<Value> = records
+        .iter()
+        .map(|(key, headers, value)| json!({"key": key, "headers": headers, "value": value}))
+        .collect();
+    let out = run_producer(args, &lines).await;
+    let placed: Vec<(i32, i64)> = out
+        .lines()
+        .map(|l| {
+            let (p, o) = l.split_once(' ').expect("PARTITION OFFSET");
+            (p.parse().unwrap(), o.parse().unwrap())
+        })
+        .collect();
+    assert_eq!(placed.len(), records.len(), "every record was placed");
+    placed
+}
+
 /// Produces `records` (the proto3 JSON form of `message`: a Timestamp as
 /// RFC 3339 text, 64-bit integers as strings or numbers) to `topic` with
 /// confluent-kafka's `ProtobufSerializer`, registering the file `proto`
@@ -327,8 +368,8 @@ pub async fn produce_protobuf(
 }
 
 /// Runs `produce_registry.py` with `args`, `records` on its input, one
-/// JSON object a line.
-async fn run_producer(args: Vec<String>, records: &[Value]) {
+/// JSON object a line; what it printed.
+async fn run_producer(args: Vec<String>, records: &[Value]) -> String {
     let script =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/produce_registry.py");
     let input: String = records.iter().map(|r| format!("{r}\n")).collect();
@@ -358,4 +399,5 @@ async fn run_producer(args: Vec<String>, records: &[Value]) {
         "the Python producer failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }

@@ -17,6 +17,7 @@ mod fuzz;
 mod harness;
 mod hostile;
 mod network;
+mod registry;
 mod scenarios;
 mod storm;
 mod verdict;

@@ -246,7 +246,7 @@ async fn s3_broker_kill9_and_restart() {
 
 /// Asks `readyz` every 500 ms until `end`: how many probes, how many
 /// answered not ready, and the distinct answers other than 200.
-async fn probe_readyz_until(
+pub(crate) async fn probe_readyz_until(
     readyz: &str,
     end: Instant,
 ) -> (usize, usize, std::collections::BTreeSet<String>) {

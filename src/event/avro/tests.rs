@@ -17,7 +17,7 @@ const TRADE: &str = r#"{"type":"record","name":"Trade","namespace":"t","fields":
 // The deprecated one-call writer is enough to make test bytes.
 #[allow(deprecated)]
 fn encode(schema: &AvroSchema, value: V) -> Vec<u8> {
-    apache_avro::to_avro_datum(&schema.root, value).unwrap()
+    apache_avro::to_avro_datum(schema.root(), value).unwrap()
 }
 
 fn trade_value(price_unscaled: &[u8]) -> V {
@@ -130,5 +130,19 @@ proptest! {
         prop_assert_eq!(unscaled, n);
         prop_assert_eq!(text.split('.').nth(1).map_or(0, str::len), scale);
         prop_assert!(crate::event::values::is_json_number(&text), "{}", text);
+    }
+}
+
+proptest! {
+    /// The writer's own string path (no escapes needed) gives serde_json's
+    /// text exactly, for any string, escapes and control characters
+    /// included.
+    #[test]
+    fn strings_are_written_as_serde_json_writes_them(s in any::<String>(), plain in "[a-zA-Z0-9 ./_-]{0,20}") {
+        for text in [&s, &plain] {
+            let mut out = String::new();
+            push_json_string(&mut out, text);
+            prop_assert_eq!(out, serde_json::to_string(text).unwrap());
+        }
     }
 }
