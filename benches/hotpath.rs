@@ -39,7 +39,7 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Instant;
 
 use clap::Parser;
@@ -829,15 +829,8 @@ const AVRO_SCHEMA_ID: u32 = 1;
 
 /// Price at scale 2: `produce` writes cents, so the stored Decimal128s are
 /// the JSON ones exactly and the check below can compare entries.
-const AVRO_TRADE: &str = r#"{"type":"record","name":"Trade","namespace":"example.trades","fields":[
-  {"name":"tradeId","type":"string"},
-  {"name":"customerId","type":"long"},
-  {"name":"type","type":{"type":"enum","name":"Side","symbols":["buy","sell"]}},
-  {"name":"ticker","type":"string"},
-  {"name":"qty","type":"long"},
-  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":18,"scale":2}},
-  {"name":"currency","type":["null","string"],"default":null},
-  {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}}]}"#;
+static AVRO_TRADE: LazyLock<String> =
+    LazyLock::new(|| testkit::registry::avro_trade_schema(2, false));
 
 /// The registry's URL in the settings: never contacted (nothing is
 /// missing from the cache), and a closed port if it were.
@@ -862,7 +855,7 @@ fn avro_formats() -> anyhow::Result<(Formats, usize)> {
     let formats = Formats::from_settings(&settings, Metrics::new())?;
     let raw = RawSchema {
         schema_type: "AVRO".into(),
-        text: AVRO_TRADE.into(),
+        text: AVRO_TRADE.clone(),
         references: Vec::new(),
     };
     let schema = Schema::parse(&raw).map_err(anyhow::Error::msg)?;
@@ -904,7 +897,7 @@ fn as_avro_record(schema: &apache_avro::Schema, payload: &[u8]) -> anyhow::Resul
 /// round by round; checks that both store the same entries.
 fn avro_decode(wire: &[Wire], rounds: usize) -> anyhow::Result<(Meter, Meter, usize)> {
     let (formats, max) = avro_formats()?;
-    let schema = apache_avro::Schema::parse_str(AVRO_TRADE)?;
+    let schema = apache_avro::Schema::parse_str(&AVRO_TRADE)?;
     let avro: Vec<Wire> = wire
         .iter()
         .map(|w| {

@@ -401,3 +401,60 @@ async fn run_producer(args: Vec<String>, records: &[Value]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// The Avro schema of a trade as the registry tests and the hot-path bench
+/// write it: money an exact `decimal` at `scale`, the date
+/// `timestamp-millis`. The first version has an optional `currency`; the
+/// evolved one drops it and adds `venue` with a default (a field removed,
+/// one added: what a compatible schema change may do).
+pub fn avro_trade_schema(scale: u32, evolved: bool) -> String {
+    let head = format!(
+        r#"{{"type":"record","name":"Trade","namespace":"example.trades","fields":[
+  {{"name":"tradeId","type":"string"}},
+  {{"name":"customerId","type":"long"}},
+  {{"name":"type","type":{{"type":"enum","name":"Side","symbols":["buy","sell"]}}}},
+  {{"name":"ticker","type":"string"}},
+  {{"name":"qty","type":"long"}},
+  {{"name":"price","type":{{"type":"bytes","logicalType":"decimal","precision":18,"scale":{scale}}}}},"#
+    );
+    let date = r#"{"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}}"#;
+    let tail = if evolved {
+        format!(
+            r#"  {date},
+  {{"name":"venue","type":"string","default":"XNAS"}}]}}"#
+        )
+    } else {
+        format!(
+            r#"  {{"name":"currency","type":["null","string"],"default":null}},
+  {date}]}}"#
+        )
+    };
+    format!("{head}\n{tail}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::avro_trade_schema;
+
+    fn fields(schema: &str) -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_str(schema).expect("the schema is JSON");
+        v["fields"]
+            .as_array()
+            .expect("fields")
+            .iter()
+            .map(|f| f["name"].as_str().expect("a name").to_string())
+            .collect()
+    }
+
+    #[test]
+    fn the_evolved_trade_schema_drops_currency_and_adds_venue() {
+        let first = ["tradeId", "customerId", "type", "ticker", "qty", "price"];
+        let v1 = avro_trade_schema(4, false);
+        let v2 = avro_trade_schema(4, true);
+        assert_eq!(fields(&v1), [&first[..], &["currency", "date"]].concat());
+        assert_eq!(fields(&v2), [&first[..], &["date", "venue"]].concat());
+        let v: serde_json::Value = serde_json::from_str(&v2).unwrap();
+        assert_eq!(v["fields"][5]["type"]["scale"], 4);
+        assert_eq!(v["fields"][7]["default"], "XNAS");
+    }
+}

@@ -8,11 +8,12 @@
 //! nothing lost or doubled, no dead letter (each fault was transient),
 //! committed to the end, `audit` and `reconcile` clean.
 
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use testkit::registry::Enveloped;
+use testkit::registry::{avro_trade_schema, Enveloped};
 use testkit::{free_port, http_get, poll_until, produce_avro_placed, SchemaRegistry};
 
 use crate::harness::*;
@@ -20,27 +21,11 @@ use crate::scenarios::probe_readyz_until;
 
 /// The writer's first schema: money as an exact decimal (cents, as the
 /// generator writes them), the date as `timestamp-millis`.
-const V1: &str = r#"{"type":"record","name":"Trade","namespace":"example.trades","fields":[
-  {"name":"tradeId","type":"string"},
-  {"name":"customerId","type":"long"},
-  {"name":"type","type":{"type":"enum","name":"Side","symbols":["buy","sell"]}},
-  {"name":"ticker","type":"string"},
-  {"name":"qty","type":"long"},
-  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":18,"scale":2}},
-  {"name":"currency","type":["null","string"],"default":null},
-  {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}}]}"#;
+static V1: LazyLock<String> = LazyLock::new(|| avro_trade_schema(2, false));
 
 /// Evolved for the last third: `currency` removed, `venue` added with a
 /// default; registered under the same subject, so a new id.
-const V2: &str = r#"{"type":"record","name":"Trade","namespace":"example.trades","fields":[
-  {"name":"tradeId","type":"string"},
-  {"name":"customerId","type":"long"},
-  {"name":"type","type":{"type":"enum","name":"Side","symbols":["buy","sell"]}},
-  {"name":"ticker","type":"string"},
-  {"name":"qty","type":"long"},
-  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":18,"scale":2}},
-  {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}},
-  {"name":"venue","type":"string","default":"XNAS"}]}"#;
+static V2: LazyLock<String> = LazyLock::new(|| avro_trade_schema(2, true));
 
 /// 16. An Avro topic through the registry: kill -9, a registry outage met
 ///     by a fresh worker, a schema change.
@@ -60,14 +45,14 @@ async fn s16_avro_topic_kill9_and_registry_outage() {
     s.reconcile = true;
     let recs = number(good_events(16, n, true));
     let (third, url) = (n / 3, registry.url());
-    let mut placed = produce_avro(&s, &url, V1, &recs[..third]).await;
+    let mut placed = produce_avro(&s, &url, &V1, &recs[..third]).await;
     // Killed at its first trades written (its own metrics): the group's
     // commits move too seldom to land a kill mid-ingest on so few records.
     let (w, port) = worker(&mut s);
     kill_when(&mut s, w, port, WRITTEN, 1).await;
     // The second third waits in Kafka for the next worker, which will
     // meet it with no schema in memory and the registry down.
-    placed.extend(produce_avro(&s, &url, V1, &recs[third..2 * third]).await);
+    placed.extend(produce_avro(&s, &url, &V1, &recs[third..2 * third]).await);
     registry.stop().await;
     s.fault("registry stopped".into());
     let w = registry_outage(&mut s, outage).await;
@@ -81,7 +66,7 @@ async fn s16_avro_topic_kill9_and_registry_outage() {
     let last = avro_records(&recs[2 * third..], true);
     let (kafka, topic) = (env.kafka.clone(), env.topic.clone());
     let producer =
-        tokio::spawn(async move { produce_avro_placed(&kafka, &url, &topic, V2, &last).await });
+        tokio::spawn(async move { produce_avro_placed(&kafka, &url, &topic, &V2, &last).await });
     s.fault("the last third written under an evolved schema (a new id)".into());
     let port = port_of(&s);
     kill_when(&mut s, w, port, FETCHES, 2).await;
@@ -155,7 +140,7 @@ fn avro_config(stack: &Stack, registry: &str) -> String {
 /// `recs` written by confluent-kafka's `AvroSerializer` under `schema`,
 /// keyed and with their headers as [`produce`] writes them.
 async fn produce_avro(s: &Scenario, registry: &str, schema: &str, recs: &[Rec]) -> Vec<(i32, i64)> {
-    let records = avro_records(recs, schema == V2);
+    let records = avro_records(recs, schema == V2.as_str());
     let env = &s.stack.env;
     produce_avro_placed(&env.kafka, registry, &env.topic, schema, &records).await
 }

@@ -85,10 +85,7 @@ async fn crash_loop(s: &mut Scenario, recs: &[Rec], placed: &[(i32, i64)], kills
         // trades it never committed, which the next life reads again.
         // The last worker, in `finish`, must still store everything once.
         let life = Duration::from_millis(rng.random_range(2000..15000));
-        poll_until(life, POLL, || async {
-            s.stack.committed_total() >= target
-        })
-        .await;
+        poll_until(life, POLL, || async { s.stack.committed_total() >= target }).await;
         // A random moment after that: mid-batch, mid-commit, mid-fetch.
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..250))).await;
         w.kill9();

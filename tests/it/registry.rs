@@ -6,11 +6,13 @@
 //! kit's (`testkit::SchemaRegistry`), stopped and restarted mid-run.
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use mongodb::bson::{Bson, Document};
 use rdkafka::Message;
 use serde_json::{json, Value};
+use testkit::registry::avro_trade_schema;
 use testkit::*;
 use tradebucket::config::{PayloadFormat, RegistrySettings, Settings, TopicFormat};
 use tradebucket::kafka::H_ERROR_KIND;
@@ -19,26 +21,10 @@ const T: Duration = Duration::from_secs(60);
 
 /// The writer's first schema: money as an exact decimal, the date as
 /// `timestamp-millis`, an optional currency.
-const V1: &str = r#"{"type":"record","name":"Trade","namespace":"example.trades","fields":[
-  {"name":"tradeId","type":"string"},
-  {"name":"customerId","type":"long"},
-  {"name":"type","type":{"type":"enum","name":"Side","symbols":["buy","sell"]}},
-  {"name":"ticker","type":"string"},
-  {"name":"qty","type":"long"},
-  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":18,"scale":4}},
-  {"name":"currency","type":["null","string"],"default":null},
-  {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}}]}"#;
+static V1: LazyLock<String> = LazyLock::new(|| avro_trade_schema(4, false));
 
 /// Evolved: `currency` removed, `venue` added with a default.
-const V2: &str = r#"{"type":"record","name":"Trade","namespace":"example.trades","fields":[
-  {"name":"tradeId","type":"string"},
-  {"name":"customerId","type":"long"},
-  {"name":"type","type":{"type":"enum","name":"Side","symbols":["buy","sell"]}},
-  {"name":"ticker","type":"string"},
-  {"name":"qty","type":"long"},
-  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":18,"scale":4}},
-  {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}},
-  {"name":"venue","type":"string","default":"XNAS"}]}"#;
+static V2: LazyLock<String> = LazyLock::new(|| avro_trade_schema(4, true));
 
 /// The same trades in Protobuf: the date a `google.protobuf.Timestamp`,
 /// money a decimal string, the side an enum whose 0 is `buy`; `Trade` is
@@ -173,9 +159,9 @@ async fn entries(env: &TestEnv) -> BTreeMap<String, Document> {
 async fn produce_three_formats(env: &TestEnv, registry: &str, avro: &str, proto: &str) {
     let v1: Vec<Value> = (1..=3).map(|n| avro_trade("A", n, 7, false)).collect();
     let v2: Vec<Value> = (4..=6).map(|n| avro_trade("A", n, 7, true)).collect();
-    produce_avro(&env.kafka, registry, avro, V1, &v1).await;
+    produce_avro(&env.kafka, registry, avro, &V1, &v1).await;
     // Mid-topic, the upstream's schema evolves (a new id).
-    produce_avro(&env.kafka, registry, avro, V2, &v2).await;
+    produce_avro(&env.kafka, registry, avro, &V2, &v2).await;
     let p1: Vec<Value> = (1..=3).map(|n| proto_trade("P", n, 7, false)).collect();
     let p2: Vec<Value> = (4..=6).map(|n| proto_trade("P", n, 7, true)).collect();
     let message = "example.trades.Trade";
@@ -318,7 +304,7 @@ async fn a_registry_outage_holds_and_permanent_faults_are_dead_letters() {
 async fn produce_good_and_bad(registry: &SchemaRegistry, env: &TestEnv) {
     let avro_topic = &env.topic;
     let good: Vec<Value> = (1..=5).map(|n| avro_trade("A", n, 9, false)).collect();
-    produce_avro(&env.kafka, &registry.url(), avro_topic, V1, &good).await;
+    produce_avro(&env.kafka, &registry.url(), avro_topic, &V1, &good).await;
     // Ids 1 (V1) exists; 999 does not; id 2 answers with no schema.
     let garbled = registry.register("other-value", "AVRO", r#""string""#);
     registry.garble(garbled, r#"{"schema":"{\"type\":\"record\"}"}"#);
@@ -345,7 +331,7 @@ async fn produce_good_and_bad(registry: &SchemaRegistry, env: &TestEnv) {
     ];
     produce_fast(&env.kafka, avro_topic, &bad).await;
     let more: Vec<Value> = (6..=8).map(|n| avro_trade("A", n, 9, false)).collect();
-    produce_avro(&env.kafka, &registry.url(), avro_topic, V1, &more).await;
+    produce_avro(&env.kafka, &registry.url(), avro_topic, &V1, &more).await;
 }
 
 /// The `--config` file of a deployment whose `topic` is Avro, read through
@@ -386,7 +372,7 @@ fn reconcile(vars: &BTreeMap<String, String>, args: &[&str]) -> (Option<i32>, Va
 /// record without the magic byte (offset 4).
 async fn produce_four_and_one_bad(env: &TestEnv, registry: &str) {
     let good: Vec<Value> = (1..=4).map(|n| avro_trade("R", n, 5, false)).collect();
-    produce_avro(&env.kafka, registry, &env.topic, V1, &good).await;
+    produce_avro(&env.kafka, registry, &env.topic, &V1, &good).await;
     let bad = Produced {
         payload: Some(br#"{"customerId":5}"#.to_vec()),
         ..Produced::default()
