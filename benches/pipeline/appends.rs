@@ -12,7 +12,7 @@ use serde_json::json;
 use tradebucket::bucket::plan;
 use tradebucket::bucket::store::BucketStore;
 
-use crate::ceiling::{final_work, insert_all, Heads};
+use crate::ceiling::{final_work, insert_all, side_collection, Heads};
 use crate::target::{Msg, Target};
 
 /// Concurrency levels tried, each on fresh appends; the ceiling is the best.
@@ -33,12 +33,7 @@ pub(crate) async fn append_ceiling(
     target: &Target,
     customers: u64,
 ) -> anyhow::Result<serde_json::Value> {
-    let s = target
-        .clone()
-        .with_var("TRADEBUCKET__MONGODB__COLLECTION", "append_ceiling")
-        .settings();
-    let store = BucketStore::connect(&s).await?;
-    store.init().await?;
+    let (s, store) = side_collection(target, "append_ceiling").await?;
     let limits = plan::Limits::with_capacity(s.buckets.capacity);
     anyhow::ensure!(
         s.buckets.capacity as usize > LEVELS.len() * ROUNDS_PER_LEVEL,

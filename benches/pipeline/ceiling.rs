@@ -11,6 +11,7 @@ use serde_json::json;
 
 use tradebucket::bucket::plan::{self, Event};
 use tradebucket::bucket::store::{bucket_document, fill_statement, BucketStore};
+use tradebucket::config::Settings;
 use tradebucket::event::{CustomerId, Trade};
 
 use crate::cpu::Cpu;
@@ -31,12 +32,7 @@ pub(crate) async fn database_ceiling(
     let limits = plan::Limits::with_capacity(target.settings().buckets.capacity);
     let work = final_work(&target.topic, messages, limits, heads)?;
     let (n_docs, trades) = (work.docs.len(), work.inserted + work.filled);
-    let s = target
-        .clone()
-        .with_var("TRADEBUCKET__MONGODB__COLLECTION", "ceiling")
-        .settings();
-    let store = BucketStore::connect(&s).await?;
-    store.init().await?;
+    let (s, store) = side_collection(target, "ceiling").await?;
     // The same encoded documents the worker would send.
     let coll = store.collection().clone_with_type::<RawDocumentBuf>();
     let chunks: Vec<Vec<RawDocumentBuf>> = work
@@ -90,6 +86,21 @@ pub(crate) async fn database_ceiling(
         cpu: before.per_million(&cpu.snapshot(None), trades as u64),
         heads: work.heads,
     })
+}
+
+/// The settings and store of collection `name` in the worker's database,
+/// created with the product's indexes: a ceiling's own collection.
+pub(crate) async fn side_collection(
+    target: &Target,
+    name: &str,
+) -> anyhow::Result<(Settings, BucketStore)> {
+    let s = target
+        .clone()
+        .with_var("TRADEBUCKET__MONGODB__COLLECTION", name)
+        .settings();
+    let store = BucketStore::connect(&s).await?;
+    store.init().await?;
+    Ok((s, store))
 }
 
 /// Each customer's newest bucket once the ceiling's buckets are in: the

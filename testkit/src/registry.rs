@@ -284,18 +284,25 @@ pub async fn produce_avro(
     schema: &str,
     records: &[Value],
 ) {
-    let schema_file = std::env::temp_dir().join(format!("{topic}-{}.avsc", records.len()));
-    std::fs::write(&schema_file, schema).expect("write the schema file");
-    let args = [
-        "avro",
+    let args = avro_args(
         brokers,
         registry,
         topic,
-        &schema_file.display().to_string(),
-    ]
-    .map(String::from)
-    .to_vec();
+        schema,
+        &format!("{}", records.len()),
+    );
     run_producer(args, records).await;
+}
+
+/// The producer's arguments for `schema` on `topic`, the schema written to
+/// a file named by the topic and `tag`.
+fn avro_args(brokers: &str, registry: &str, topic: &str, schema: &str, tag: &str) -> Vec<String> {
+    let schema_file = std::env::temp_dir().join(format!("{topic}-{tag}.avsc"));
+    std::fs::write(&schema_file, schema).expect("write the schema file");
+    let file = schema_file.display().to_string();
+    ["avro", brokers, registry, topic, &file]
+        .map(String::from)
+        .to_vec()
 }
 
 /// A record for [`produce_avro_placed`]: its key, its headers, and the
@@ -311,18 +318,9 @@ pub async fn produce_avro_placed(
     schema: &str,
     records: &[Enveloped],
 ) -> Vec<(i32, i64)> {
-    let schema_file = std::env::temp_dir().join(format!("{topic}-{}-placed.avsc", records.len()));
-    std::fs::write(&schema_file, schema).expect("write the schema file");
-    let args = [
-        "--envelope",
-        "avro",
-        brokers,
-        registry,
-        topic,
-        &schema_file.display().to_string(),
-    ]
-    .map(String::from)
-    .to_vec();
+    let tag = format!("{}-placed", records.len());
+    let mut args = avro_args(brokers, registry, topic, schema, &tag);
+    args.insert(0, "--envelope".to_string());
     let lines: Vec<Value> = records
         .iter()
         .map(|(key, headers, value)| json!({"key": key, "headers": headers, "value": value}))
