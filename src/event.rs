@@ -404,10 +404,11 @@ pub mod protobuf;
 mod replay;
 mod sample;
 mod values;
+pub mod wire;
 
 use decode::{parse_object, payload_text, TradeFields};
 pub use mapping::{decode_mapped, Mapping, Mappings, RecordParts};
-pub use replay::{decode_record, position_text, replay_origin, H_REPLAY_OF};
+pub use replay::{decode_record, position_text, replay_origin, with_identity, H_REPLAY_OF};
 pub use sample::{sample, sample_of};
 
 #[cfg(test)]

@@ -17,6 +17,9 @@
 //! Why JSON text: every rule of the trade (ids, exact decimals, dates,
 //! mappings' pointers, kept fields, sizes) is defined on it once; a second
 //! reader of Avro values would be a second set of rules to keep equal.
+//! A topic without a mapping whose schema's top-level fields are scalars
+//! skips the whole object's text ([`fields`]): each field's text goes
+//! to the same rules, as written here.
 
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -26,6 +29,10 @@ use apache_avro::schema::{Name, ResolvedSchema, Schema};
 use apache_avro::types::Value;
 
 use super::{Reject, RejectKind};
+
+mod fields;
+pub use fields::Fields;
+use fields::Plan;
 
 /// Deepest nesting of records, arrays, maps and unions written out; the
 /// default schema refuses deeper kept fields anyway.
@@ -40,6 +47,9 @@ const MAX_DECIMAL_BYTES: usize = 64;
 pub struct AvroSchema {
     reader: Prepared,
     names: HashMap<Name, Schema>,
+    /// How to read the default schema's fields straight from a datum, if
+    /// every top-level field is a scalar.
+    plan: Option<Box<Plan>>,
 }
 
 impl std::fmt::Debug for AvroSchema {
@@ -101,7 +111,23 @@ impl AvroSchema {
         }
         .try_build()
         .map_err(|e: apache_avro::Error| e.to_string())?;
-        Ok(AvroSchema { reader, names })
+        let plan = Plan::of(&reader.borrow_schemata().root, &names).map(Box::new);
+        Ok(AvroSchema {
+            reader,
+            names,
+            plan,
+        })
+    }
+
+    /// The datum's top-level fields for the default schema (no mapping),
+    /// read without `to_json`'s text in between; `None` when the schema
+    /// has a field only `to_json` reads (see [`fields`]).
+    pub fn fields<'a>(
+        &'a self,
+        datum: &'a [u8],
+        max_bytes: usize,
+    ) -> Option<Result<Fields<'a>, Reject>> {
+        self.plan.as_ref().map(|plan| plan.read(datum, max_bytes))
     }
 
     /// The writer's schema itself.
@@ -280,12 +306,8 @@ impl<'a> Writer<'a> {
         match value {
             Value::Null => out.push_str("null"),
             Value::Boolean(b) => out.push_str(if *b { "true" } else { "false" }),
-            Value::Int(i) | Value::TimeMillis(i) => {
-                let _ = write!(out, "{i}");
-            }
-            Value::Long(i) | Value::TimeMicros(i) => {
-                let _ = write!(out, "{i}");
-            }
+            Value::Int(i) | Value::TimeMillis(i) => out.push_str(itoa::Buffer::new().format(*i)),
+            Value::Long(i) | Value::TimeMicros(i) => out.push_str(itoa::Buffer::new().format(*i)),
             Value::Float(f) => push_float(out, f64::from(*f), || serde_json::to_string(f)),
             Value::Double(f) => push_float(out, *f, || serde_json::to_string(f)),
             Value::Bytes(b) | Value::Fixed(_, b) => {
@@ -302,7 +324,7 @@ impl<'a> Writer<'a> {
                 };
                 let bytes = <Vec<u8>>::try_from(d)
                     .map_err(|e| invalid_format(format!("unreadable decimal ({e})")))?;
-                out.push_str(&decimal_text(&bytes, scale)?);
+                push_decimal(out, &bytes, scale)?;
             }
             Value::BigDecimal(d) => out.push_str(&d.to_string()),
             Value::Date(days) => push_date(out, *days),
@@ -419,13 +441,63 @@ pub(crate) fn base64(out: &mut String, bytes: &[u8]) {
 /// big-endian two's complement; `scale` digits go after the point. Exact:
 /// the digits are those of the integer, the point placed by text.
 pub fn decimal_text(bytes: &[u8], scale: usize) -> Result<String, Reject> {
+    let mut text = String::new();
+    push_decimal(&mut text, bytes, scale)?;
+    Ok(text)
+}
+
+/// [`decimal_text`], appended to `out`.
+pub(crate) fn push_decimal(out: &mut String, bytes: &[u8], scale: usize) -> Result<(), Reject> {
+    check_decimal(bytes)?;
+    let negative = bytes.first().is_some_and(|b| b & 0x80 != 0);
+    let mut buffer = itoa::Buffer::new();
+    let long;
+    // Up to 16 bytes (38 digits, past Decimal128's 34) the integer is an
+    // i128; the schoolbook division below is for the rest.
+    let digits: &str = if bytes.len() <= 16 {
+        let mut wide = [if negative { 0xff } else { 0 }; 16];
+        wide[16 - bytes.len()..].copy_from_slice(bytes);
+        buffer.format(i128::from_be_bytes(wide).unsigned_abs())
+    } else {
+        long = magnitude_digits(magnitude(bytes, negative));
+        &long
+    };
+    if negative {
+        out.push('-');
+    }
+    match digits.len().checked_sub(scale) {
+        Some(int) if int > 0 => {
+            out.push_str(&digits[..int]);
+            if scale > 0 {
+                out.push('.');
+                out.push_str(&digits[int..]);
+            }
+        }
+        _ => {
+            out.push('0');
+            if scale > 0 {
+                out.push('.');
+                out.extend(std::iter::repeat_n('0', scale - digits.len()));
+                out.push_str(digits);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A decimal of more bytes than [`MAX_DECIMAL_BYTES`] is refused.
+fn check_decimal(bytes: &[u8]) -> Result<(), Reject> {
     if bytes.len() > MAX_DECIMAL_BYTES {
         return Err(Reject::new(
             RejectKind::InvalidField,
             format!("a decimal of {} bytes is beyond Decimal128", bytes.len()),
         ));
     }
-    let negative = bytes.first().is_some_and(|b| b & 0x80 != 0);
+    Ok(())
+}
+
+/// The absolute value of a big-endian two's-complement integer.
+fn magnitude(bytes: &[u8], negative: bool) -> Vec<u8> {
     let mut magnitude = bytes.to_vec();
     if negative {
         // Two's complement: invert and add one.
@@ -438,21 +510,7 @@ pub fn decimal_text(bytes: &[u8], scale: usize) -> Result<String, Reject> {
             }
         }
     }
-    let mut digits = magnitude_digits(magnitude);
-    if digits.len() <= scale {
-        digits = format!("{}{digits}", "0".repeat(scale + 1 - digits.len()));
-    }
-    let (int, frac) = digits.split_at(digits.len() - scale);
-    let mut text = String::with_capacity(digits.len() + 2);
-    if negative {
-        text.push('-');
-    }
-    text.push_str(int);
-    if scale > 0 {
-        text.push('.');
-        text.push_str(frac);
-    }
-    Ok(text)
+    magnitude
 }
 
 /// The decimal digits of a big-endian unsigned integer (schoolbook

@@ -33,8 +33,8 @@ use std::collections::HashMap;
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, SerializeOptions};
 use protox::file::{ChainFileResolver, File, FileResolver, GoogleFileResolver};
 
+use super::wire;
 use super::{Reject, RejectKind};
-use crate::registry::wire;
 
 /// A file's schema, compiled, with what it imports.
 #[derive(Debug)]

@@ -50,11 +50,25 @@ pub fn decode_record(
     source: &Source,
     max_bytes: usize,
 ) -> Result<Trade, Reject> {
-    let origin = replay_origin(record.headers)?;
-    let identity = origin
-        .as_ref()
-        .map_or(Identity::Read(source), Identity::ReplayOf);
-    decode_mapped(mapping, record, identity, max_bytes)
+    with_identity(record.headers, source, |identity| {
+        decode_mapped(mapping, record, identity, max_bytes)
+    })
+}
+
+/// `decode` under the identity of a record read at `source` with
+/// `headers`: its original position if it is a replay, else `source`. A
+/// malformed replay header is the record's rejection, before `decode`.
+pub fn with_identity<T>(
+    headers: &[(Vec<u8>, Option<Vec<u8>>)],
+    source: &Source,
+    decode: impl FnOnce(Identity<'_>) -> Result<T, Reject>,
+) -> Result<T, Reject> {
+    let origin = replay_origin(headers)?;
+    decode(
+        origin
+            .as_ref()
+            .map_or(Identity::Read(source), Identity::ReplayOf),
+    )
 }
 
 /// `<topic>/<partition>/<offset>`: a legal topic name (which has no `/`),

@@ -13,8 +13,8 @@ use reqwest::StatusCode;
 use secrecy::ExposeSecret;
 use serde::Deserialize;
 
-use super::wire::SchemaId;
 use crate::config::{RegistrySettings, Scrubber};
+use crate::event::wire::SchemaId;
 
 /// Deepest chain of references followed; a cycle or a deeper chain is
 /// not a schema this worker reads.

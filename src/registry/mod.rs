@@ -28,10 +28,11 @@ use std::time::Duration;
 use lru::LruCache;
 
 pub mod client;
-pub mod wire;
 
+pub use crate::event::wire::SchemaId;
 pub use client::{Client, ClientError, FetchError, RawSchema};
-pub use wire::SchemaId;
+
+use crate::event::wire;
 
 use crate::config::{PayloadFormat, RetrySettings, Settings};
 use crate::event;
@@ -81,6 +82,36 @@ impl Schema {
         }
     }
 }
+
+/// `data` read by its writer's `schema`, as the JSON path reads the same
+/// trade: into the default schema's fields straight from an Avro datum
+/// where the schema allows ([`AvroSchema::fields`]), else into JSON text,
+/// at most `limit` bytes, read by the JSON path (the mapping, the replay
+/// identity, every check).
+fn decode_binary(
+    schema: &Schema,
+    data: &[u8],
+    record: RecordParts<'_>,
+    mapping: Option<&Mapping>,
+    source: &Source,
+    limit: usize,
+) -> Result<Trade, Reject> {
+    if let (Schema::Avro(avro), None) = (schema, mapping) {
+        if let Some(fields) = avro.fields(data, limit) {
+            let fields = fields?;
+            return event::with_identity(record.headers, source, |id| fields.into_trade(id));
+        }
+    }
+    let json = schema.to_json(data, limit)?;
+    let parts = RecordParts {
+        payload: Some(json.as_bytes()),
+        ..record
+    };
+    event::decode_record(parts, mapping, source, limit)
+}
+
+/// A binary payload's writer's schema, and the datum after its header.
+type Datum<'p> = (Arc<Schema>, &'p [u8]);
 
 /// What a batch's fetch found for the ids it lacked: a schema, or why the
 /// records naming it are dead letters.
@@ -162,9 +193,9 @@ impl Formats {
     }
 
     /// Decodes a record read at `source` by its topic's format: JSON as
-    /// always ([`event::decode_record`]), Avro and Protobuf into their JSON
-    /// form first, which is then read by the same rules (the mapping, the
-    /// replay identity). `resolved`: what the stage fetched for this batch.
+    /// always ([`event::decode_record`]), Avro and Protobuf by their
+    /// writer's schema ([`decode_binary`]). `resolved`: what the stage
+    /// fetched for this batch.
     pub fn decode(
         &self,
         record: RecordParts<'_>,
@@ -177,8 +208,8 @@ impl Formats {
         if format == PayloadFormat::Json {
             return Decode::Done(event::decode_record(record, mapping, source, max_bytes));
         }
-        let json = match self.to_json(format, record.payload, max_bytes, resolved) {
-            Ok(Some(json)) => json,
+        let (schema, data) = match self.writer_schema(format, record.payload, max_bytes, resolved) {
+            Ok(Some(found)) => found,
             Ok(None) => {
                 // No payload: rejected as for JSON (`empty`).
                 return Decode::Done(event::decode_record(record, mapping, source, max_bytes));
@@ -186,23 +217,20 @@ impl Formats {
             Err(Err(id)) => return Decode::Missing(id),
             Err(Ok(reject)) => return Decode::Done(Err(reject)),
         };
-        let parts = RecordParts {
-            payload: Some(json.as_bytes()),
-            ..record
-        };
         let limit = max_bytes.saturating_mul(JSON_EXPANSION);
-        Decode::Done(event::decode_record(parts, mapping, source, limit))
+        Decode::Done(decode_binary(&schema, data, record, mapping, source, limit))
     }
 
-    /// The JSON form of a binary payload; `Ok(None)` without one. The
-    /// error is a rejection, or the id of a schema not in memory.
-    fn to_json(
+    /// A binary payload's writer's schema and its datum; `Ok(None)`
+    /// without a payload. The error is a rejection, or the id of a schema
+    /// not in memory.
+    fn writer_schema<'p>(
         &self,
         format: PayloadFormat,
-        payload: Option<&[u8]>,
+        payload: Option<&'p [u8]>,
         max_bytes: usize,
         resolved: Option<&Resolved>,
-    ) -> Result<Option<String>, Result<Reject, SchemaId>> {
+    ) -> Result<Option<Datum<'p>>, Result<Reject, SchemaId>> {
         let payload = match payload {
             None | Some([]) => return Ok(None),
             Some(p) => p,
@@ -233,8 +261,7 @@ impl Formats {
                 ),
             )));
         }
-        let limit = max_bytes.saturating_mul(JSON_EXPANSION);
-        schema.to_json(data, limit).map(Some).map_err(Ok)
+        Ok(Some((schema, data)))
     }
 
     /// The schema `id` if it is in memory (counted as a cache hit).
