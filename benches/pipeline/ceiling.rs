@@ -30,7 +30,7 @@ pub(crate) async fn database_ceiling(
     heads: &Heads,
 ) -> anyhow::Result<DatabaseCeiling> {
     let limits = plan::Limits::with_capacity(target.settings().buckets.capacity);
-    let work = final_work(&target.topic, messages, limits, heads)?;
+    let mut work = final_work(&target.topic, messages, limits, heads)?;
     let (n_docs, trades) = (work.docs.len(), work.inserted + work.filled);
     let (s, store) = side_collection(target, "ceiling").await?;
     // The same encoded documents the worker would send.
@@ -56,19 +56,7 @@ pub(crate) async fn database_ceiling(
     let restart = if heads.is_empty() {
         None
     } else {
-        let fills = work.fills.len();
-        let (head_seconds, fill_seconds) = restart_work(
-            &store,
-            &work.customers,
-            work.fills,
-            s.mongodb.load_concurrency,
-        )
-        .await?;
-        Some(
-            json!({"heads": work.customers.len(), "head_seconds": head_seconds,
-                    "fills": fills, "filled_trades": work.filled,
-                    "fill_seconds": fill_seconds}),
-        )
+        Some(timed_restart(&store, &mut work, s.mongodb.load_concurrency).await?)
     };
     insert_all(&coll, chunks, concurrency, s.mongodb.journal).await?;
     let seconds = started.elapsed().as_secs_f64();
@@ -86,6 +74,23 @@ pub(crate) async fn database_ceiling(
         cpu: before.per_million(&cpu.snapshot(None), trades as u64),
         heads: work.heads,
     })
+}
+
+/// [`restart_work`] for `work`, and what it did and took.
+async fn timed_restart(
+    store: &BucketStore,
+    work: &mut FinalWork,
+    load_concurrency: usize,
+) -> anyhow::Result<serde_json::Value> {
+    let fills = std::mem::take(&mut work.fills);
+    let count = fills.len();
+    let (head_seconds, fill_seconds) =
+        restart_work(store, &work.customers, fills, load_concurrency).await?;
+    Ok(
+        json!({"heads": work.customers.len(), "head_seconds": head_seconds,
+                "fills": count, "filled_trades": work.filled,
+                "fill_seconds": fill_seconds}),
+    )
 }
 
 /// The settings and store of collection `name` in the worker's database,

@@ -79,7 +79,26 @@ pub(crate) async fn steady_delay(
     };
     let (produced, sampled) = tokio::join!(cli::produce(&s, &load, false), sampling);
     produced?;
-    let mut sampled = sampled?;
+    let sampled = sampled?;
+    let text = drained_metrics(&t, &metrics_url).await?;
+    stop(child)?;
+    let audit = cli::audit(&s, None).await?;
+    let expected = count + sampled.len() as u64;
+    anyhow::ensure!(
+        audit.violations.is_empty() && audit.trades == expected,
+        "steady load at {rate}/s: {} trades stored of {expected}, violations {:?}",
+        audit.trades,
+        audit.violations
+    );
+    let mut figures = phase_figures(rate, count, &text, sampled);
+    figures["stored_trades"] = json!(audit.trades);
+    figures["expected_trades"] = json!(expected);
+    Ok(figures)
+}
+
+/// The worker's metrics once the group has committed to the topic's end.
+async fn drained_metrics(t: &Target, metrics_url: &str) -> anyhow::Result<String> {
+    let s = t.settings();
     let ends = end_offsets(&s, &t.topic)?;
     let checker = kafka_consumer(&s, &t.group)?;
     // A broker error while asking counts as not yet: asked again.
@@ -90,21 +109,17 @@ pub(crate) async fn steady_delay(
     anyhow::ensure!(drained, "steady load not drained");
     // The last commit's delay is observed right after the commit.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (_, text) = http_get(&metrics_url)
+    let (_, text) = http_get(metrics_url)
         .await
         .ok_or_else(|| anyhow::anyhow!("no metrics from the worker"))?;
-    stop(child)?;
-    let audit = cli::audit(&s, None).await?;
-    let expected = count + sampled.len() as u64;
-    anyhow::ensure!(
-        audit.violations.is_empty() && audit.trades == expected,
-        "steady load at {rate}/s: {} trades stored of {expected}, violations {:?}",
-        audit.trades,
-        audit.violations
-    );
-    let buckets = histogram(&text, "tradebucket_end_to_end_delay_seconds");
-    // Whether the delay still grows at the end of the phase: the worst of
-    // each half of the samples, in the order sent.
+    Ok(text)
+}
+
+/// A steady phase's delay figures: the worker's histogram, the sampled
+/// delays, and the worst of each half of the samples in the order sent
+/// (whether the delay still grows at the end of the phase).
+fn phase_figures(rate: u64, count: u64, text: &str, mut sampled: Vec<f64>) -> serde_json::Value {
+    let buckets = histogram(text, "tradebucket_end_to_end_delay_seconds");
     let (early, late) = sampled.split_at(sampled.len() / 2);
     let worst = |half: &[f64]| half.iter().copied().fold(0.0, f64::max);
     let halves = json!({"first_half_max_seconds": worst(early),
@@ -112,10 +127,8 @@ pub(crate) async fn steady_delay(
     sampled.sort_by(f64::total_cmp);
     let mut figures = delay_figures(rate, count, &buckets, &sampled);
     figures["sampled_halves"] = halves;
-    figures["stages"] = stage_breakdown(&text);
-    figures["stored_trades"] = json!(audit.trades);
-    figures["expected_trades"] = json!(expected);
-    Ok(figures)
+    figures["stages"] = stage_breakdown(text);
+    figures
 }
 
 /// Waits until the worker behind `metrics_url` has all `partitions`.

@@ -210,13 +210,9 @@ pub(super) fn is_json_number(s: &str) -> bool {
         _ => return false,
     }
     if b.get(i) == Some(&b'.') {
-        i += 1;
-        let start = i;
-        while b.get(i).is_some_and(u8::is_ascii_digit) {
-            i += 1;
-        }
-        if i == start {
-            return false;
+        match digits_from(b, i + 1) {
+            Some(end) => i = end,
+            None => return false,
         }
     }
     if matches!(b.get(i), Some(b'e' | b'E')) {
@@ -224,15 +220,22 @@ pub(super) fn is_json_number(s: &str) -> bool {
         if matches!(b.get(i), Some(b'+' | b'-')) {
             i += 1;
         }
-        let start = i;
-        while b.get(i).is_some_and(u8::is_ascii_digit) {
-            i += 1;
-        }
-        if i == start {
-            return false;
+        match digits_from(b, i) {
+            Some(end) => i = end,
+            None => return false,
         }
     }
     i == b.len()
+}
+
+/// The end of the run of digits at `start`; `None` if there is none.
+fn digits_from(b: &[u8], start: usize) -> Option<usize> {
+    let len = b
+        .get(start..)?
+        .iter()
+        .take_while(|c| c.is_ascii_digit())
+        .count();
+    (len > 0).then_some(start + len)
 }
 
 pub(super) fn is_json_integer(raw: &str) -> bool {
