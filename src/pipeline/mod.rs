@@ -20,7 +20,7 @@ mod worker;
 
 use adapters::{watch_mongodb, watch_partitions, KafkaDeadLetters, KafkaIntake};
 pub use seams::Record;
-// For benches/hotpath.rs, which measures decoding a batch without servers.
+// For benches/hotpath/, which measures decoding a batch without servers.
 #[doc(hidden)]
 pub use stage::{decode_batch, Decoded};
 use worker::Worker;
