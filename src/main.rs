@@ -327,7 +327,8 @@ fn print_reconcile(r: &Report) {
     let t = &r.total;
     println!(
         "reconcile: group {}, {} records in {} partitions: {} stored, {} upstream duplicates, \
-         {} dead-lettered ({} more than once), {} offsets without a record; {} problems",
+         {} dead-lettered ({} more than once, {} replayed and stored), {} offsets without a \
+         record; {} problems",
         r.group,
         t.records,
         r.partitions.len(),
@@ -335,6 +336,7 @@ fn print_reconcile(r: &Report) {
         t.upstream_duplicates,
         t.dead_lettered,
         t.dead_letters_repeated,
+        t.dead_letters_replayed,
         t.gaps,
         t.problems
     );

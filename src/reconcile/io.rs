@@ -469,6 +469,11 @@ impl Check<'_> {
         let found = self.lookup(&batch, &keys).await?;
         let mut missing = Vec::new();
         for (r, keys) in batch.iter().zip(&keys) {
+            // A malformed replay header is the record's own rejection,
+            // judged below as it decoded.
+            if let Ok(Some(origin)) = event::replay_origin(&r.headers) {
+                self.ledger.replay_of(origin);
+            }
             let verdict = match &r.trade {
                 None => self.ledger.bad(&r.at),
                 Some((customer, _)) => {

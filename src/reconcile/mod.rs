@@ -126,6 +126,9 @@ pub struct Counts {
     pub upstream_duplicates: u64,
     /// Records (bad, or refused by the writer) with their dead letter.
     pub dead_lettered: u64,
+    /// Of those, refused trades stored by a replay of their dead letter
+    /// that was read too (`tradebucket.replay.of` naming them).
+    pub dead_letters_replayed: u64,
     /// Of those, with more than one dead letter (at least once: a
     /// partition moved between the dead letter and its commit).
     pub dead_letters_repeated: u64,
@@ -142,6 +145,7 @@ impl Counts {
         self.upstream_duplicates += o.upstream_duplicates;
         self.dead_lettered += o.dead_lettered;
         self.dead_letters_repeated += o.dead_letters_repeated;
+        self.dead_letters_replayed += o.dead_letters_replayed;
         self.gaps += o.gaps;
         self.problems += o.problems;
     }
@@ -181,6 +185,11 @@ pub struct Ledger {
     doubled: HashSet<u64>,
     /// Sharded mode: keys are the customer's.
     sharded: bool,
+    /// The positions replays read so far name (`tradebucket.replay.of`).
+    replays: HashSet<Source>,
+    /// Dead-lettered trades found stored before any replay of them was
+    /// read: problems until one is ([`Ledger::replay_of`]).
+    unreplayed: HashSet<Source>,
     pub counts: BTreeMap<(String, i32), Counts>,
     pub problems: Vec<Problem>,
     pub by_kind: BTreeMap<ProblemKind, u64>,
@@ -192,6 +201,9 @@ pub enum Verdict {
     Stored,
     UpstreamDuplicate,
     DeadLettered,
+    /// Dead-lettered, refused by the writer, and stored by a replay of
+    /// its dead letter that was read before it.
+    Replayed,
     Problem(ProblemKind),
 }
 
@@ -252,7 +264,11 @@ impl Ledger {
         }
         let verdict = match (self.dead_letters.contains_key(t.at), own_copies) {
             (true, 0) => Verdict::DeadLettered,
-            (true, _) => Verdict::Problem(ProblemKind::DeadLetteredAndStored),
+            (true, _) if self.replays.contains(t.at) => Verdict::Replayed,
+            (true, _) => {
+                self.unreplayed.insert(t.at.clone());
+                Verdict::Problem(ProblemKind::DeadLetteredAndStored)
+            }
             (false, _) if t.buckets.is_empty() => Verdict::Problem(ProblemKind::Missing),
             (false, 0) => Verdict::Problem(ProblemKind::Misfiled),
             (false, _) if doubled => Verdict::Problem(ProblemKind::StoredTwice),
@@ -260,6 +276,35 @@ impl Ledger {
             (false, _) => Verdict::Stored,
         };
         self.record(t.at, t.keys.first(), t.buckets, verdict)
+    }
+
+    /// A replay of the record at `origin` was read: a refused trade
+    /// there that is stored was put right by `dlq replay` (or stored by
+    /// `--replay-missing` and dead-lettered by a lagging worker), not a
+    /// problem, whichever of the two was read first.
+    pub fn replay_of(&mut self, origin: Source) {
+        if !self.unreplayed.remove(&origin) {
+            self.replays.insert(origin);
+            return;
+        }
+        let kind = ProblemKind::DeadLetteredAndStored;
+        let c = self.partition(&origin.topic, origin.partition);
+        c.problems -= 1;
+        c.dead_lettered += 1;
+        c.dead_letters_replayed += 1;
+        if let Some(n) = self.by_kind.get_mut(&kind) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_kind.remove(&kind);
+            }
+        }
+        self.problems.retain(|p| {
+            let here = *p.topic == *origin.topic
+                && p.partition == origin.partition
+                && p.offset == origin.offset;
+            p.kind != kind || !here
+        });
+        self.replays.insert(origin);
     }
 
     /// Offsets Kafka holds no record at.
@@ -289,6 +334,11 @@ impl Ledger {
             Verdict::DeadLettered => {
                 c.dead_lettered += 1;
                 c.dead_letters_repeated += u64::from(repeated);
+            }
+            Verdict::Replayed => {
+                c.dead_lettered += 1;
+                c.dead_letters_repeated += u64::from(repeated);
+                c.dead_letters_replayed += 1;
             }
             Verdict::Problem(kind) => {
                 c.problems += 1;

@@ -237,3 +237,33 @@ fn sharded_doubles_and_duplicates_are_per_customer() {
         }
     }
 }
+
+/// A refused trade, dead-lettered, then stored by `dlq replay`: not a
+/// problem once the replay is read, before or after the original; stored
+/// with no replay read (redelivered once the refusal was lifted), it is.
+#[test]
+fn a_dead_letter_replayed_and_stored_is_no_problem_whichever_is_read_first() {
+    let (c, keys, stored) = (c7(), s(&["t:d"]), s(&["7_100"]));
+    let mut l = Ledger::new([at(3), at(4), at(5)]);
+    l.replay_of(at(3));
+    assert_eq!(
+        l.trade(&seen(&at(3), &c, &keys, &stored)),
+        Verdict::Replayed
+    );
+    let doubled = Verdict::Problem(ProblemKind::DeadLetteredAndStored);
+    let other = s(&["t:e"]);
+    assert_eq!(l.trade(&seen(&at(4), &c, &other, &stored)), doubled);
+    assert_eq!(l.total().problems, 1);
+    l.replay_of(at(4));
+    let t = l.total();
+    assert_eq!(
+        (t.problems, t.dead_lettered, t.dead_letters_replayed),
+        (0, 2, 2)
+    );
+    assert!(l.problems.is_empty() && l.by_kind.is_empty());
+    // No replay of at(5) is read: a problem, as before.
+    assert_eq!(l.trade(&seen(&at(5), &c, &s(&["t:f"]), &stored)), doubled);
+    l.replay_of(at(6));
+    assert_eq!(l.total().problems, 1);
+    assert_eq!(l.problems[0].offset, 5);
+}

@@ -196,9 +196,10 @@ impl Scenario {
     /// `tradebucket reconcile --json`: its totals go in the report's notes;
     /// an exit other than 0 or any problem is a failure, except
     /// `dead_lettered_and_stored` at `refused` positions: a trade MongoDB
-    /// refused, dead-lettered, and stored once the refusal was lifted (by
-    /// `dlq replay`, or redelivered), which is what reconcile says of it
-    /// (docs/operations.md: "harmless for the data").
+    /// refused, dead-lettered, and stored once the refusal was lifted by
+    /// a redelivery, which is what reconcile says of it (docs/operations.md:
+    /// "harmless for the data"); one stored by `dlq replay` is no problem
+    /// once reconcile reads the replay.
     fn reconcile_binary(&mut self, refused: &HashSet<(i32, i64)>) {
         let out = std::process::Command::new(bin())
             .args(["reconcile", "--json", "--rate", "0"])
