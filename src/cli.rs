@@ -75,8 +75,10 @@ pub struct InitOutcome {
 /// that do not exist yet.
 pub async fn init(settings: &Settings, partitions: Option<i32>) -> Result<InitOutcome, CliError> {
     let store = BucketStore::connect(settings).await?;
-    let state = store.init_and_shard().await?;
-    let layout = describe_layout(store.sharded(), &state);
+    let closing = store.closing();
+    let state = store.init_and_shard().await;
+    closing.close().await;
+    let layout = describe_layout(store.sharded(), &state?);
     let mut created = Vec::new();
     if let Some(partitions) = partitions {
         let admin = crate::kafka::admin(settings)?;
@@ -138,10 +140,9 @@ pub async fn page(
         return Err(CliError::Usage("pages are numbered from 1".into()));
     }
     let store = BucketStore::connect(settings).await?;
-    Ok(store
-        .page(customer, n)
-        .await?
-        .map(|d| Bson::Document(d).into_relaxed_extjson()))
+    let page = store.page(customer, n).await;
+    store.closing().close().await;
+    Ok(page?.map(|d| Bson::Document(d).into_relaxed_extjson()))
 }
 
 /// What `audit` found; `audit --json` prints it, harnesses parse it back.
@@ -174,7 +175,9 @@ pub async fn audit(
     customer: Option<&CustomerId>,
 ) -> Result<AuditReport, CliError> {
     let store = BucketStore::connect(settings).await?;
-    audit_with(&store, settings, customer).await
+    let report = audit_with(&store, settings, customer).await;
+    store.closing().close().await;
+    report
 }
 
 /// [`audit`] over a store already connected.

@@ -141,7 +141,10 @@ pub async fn run(
     progress: bool,
 ) -> Result<Report, ReconcileError> {
     let store = BucketStore::connect(settings).await?;
-    run_with(settings, opts, store, progress).await
+    let closing = store.closing();
+    let report = run_with(settings, opts, store, progress).await;
+    closing.close().await;
+    report
 }
 
 /// [`run`] over a store already connected (tests watch its commands).

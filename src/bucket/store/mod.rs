@@ -117,7 +117,30 @@ pub struct BucketStore {
     ping_limit: Duration,
 }
 
+/// A store's client, to be shut down before the process exits.
+#[derive(Debug)]
+pub struct Closing(Client);
+
+impl Closing {
+    /// Ends the client's server sessions and stops its background tasks.
+    /// Left to the last handle's drop, the driver ends the sessions on a
+    /// task it spawns, which on a multi-threaded runtime can run while the
+    /// runtime shuts down and panic inside the driver (its connection pool
+    /// already gone: `ConnectionRequester::request` unwraps a send), as
+    /// `tradebucket audit` did at exit. `immediate`: the commands leave no
+    /// cursor or session open to wait for.
+    pub async fn close(self) {
+        self.0.shutdown().immediate(true).await;
+    }
+}
+
 impl BucketStore {
+    /// What shuts this store's client down (every clone of it) once the
+    /// caller is done: the commands' last step.
+    pub fn closing(&self) -> Closing {
+        Closing(self.client.clone())
+    }
+
     /// A `ping` round trip: is the server reachable and answering, within
     /// `timeouts.mongodb_ping`?
     pub async fn ping(&self) -> Result<(), StoreError> {
