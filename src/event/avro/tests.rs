@@ -4,7 +4,8 @@ use proptest::prelude::*;
 use super::*;
 use crate::event::{decode, Source};
 
-const TRADE: &str = r#"{"type":"record","name":"Trade","namespace":"t","fields":[
+/// The product's trade, as `produce` and the test kit write it.
+pub(super) const TRADE: &str = r#"{"type":"record","name":"Trade","namespace":"t","fields":[
   {"name":"tradeId","type":"string"},
   {"name":"customerId","type":"long"},
   {"name":"type","type":{"type":"enum","name":"Side","symbols":["buy","sell"]}},

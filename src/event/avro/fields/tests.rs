@@ -7,19 +7,9 @@ use apache_avro::Decimal;
 use proptest::collection::vec;
 use proptest::prelude::*;
 
+use super::super::tests::TRADE;
 use super::super::AvroSchema;
 use crate::event::{decode_as, Identity, Reject, RejectKind, Source, Trade};
-
-/// The product's trade, as `produce` and the test kit write it.
-const TRADE: &str = r#"{"type":"record","name":"Trade","namespace":"t","fields":[
-  {"name":"tradeId","type":"string"},
-  {"name":"customerId","type":"long"},
-  {"name":"type","type":{"type":"enum","name":"Side","symbols":["buy","sell"]}},
-  {"name":"ticker","type":"string"},
-  {"name":"qty","type":"long"},
-  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":20,"scale":4}},
-  {"name":"currency","type":["null","string"],"default":null},
-  {"name":"date","type":{"type":"long","logicalType":"timestamp-millis"}}]}"#;
 
 /// Every scalar kind, in trade fields and extras: unions of several
 /// branches, fixed decimals, a reused named type, a nanosecond date,
