@@ -406,6 +406,7 @@ mod sample;
 mod values;
 pub mod wire;
 
+pub use decode::check_payload_len;
 use decode::{parse_object, payload_text, TradeFields};
 pub use mapping::{decode_mapped, Mapping, Mappings, RecordParts};
 pub use replay::{decode_record, position_text, replay_origin, with_identity, H_REPLAY_OF};

@@ -448,7 +448,12 @@ pub fn decimal_text(bytes: &[u8], scale: usize) -> Result<String, Reject> {
 
 /// [`decimal_text`], appended to `out`.
 pub(crate) fn push_decimal(out: &mut String, bytes: &[u8], scale: usize) -> Result<(), Reject> {
-    check_decimal(bytes)?;
+    if bytes.len() > MAX_DECIMAL_BYTES {
+        return Err(Reject::new(
+            RejectKind::InvalidField,
+            format!("a decimal of {} bytes is beyond Decimal128", bytes.len()),
+        ));
+    }
     let negative = bytes.first().is_some_and(|b| b & 0x80 != 0);
     let mut buffer = itoa::Buffer::new();
     let long;
@@ -481,17 +486,6 @@ pub(crate) fn push_decimal(out: &mut String, bytes: &[u8], scale: usize) -> Resu
                 out.push_str(digits);
             }
         }
-    }
-    Ok(())
-}
-
-/// A decimal of more bytes than [`MAX_DECIMAL_BYTES`] is refused.
-fn check_decimal(bytes: &[u8]) -> Result<(), Reject> {
-    if bytes.len() > MAX_DECIMAL_BYTES {
-        return Err(Reject::new(
-            RejectKind::InvalidField,
-            format!("a decimal of {} bytes is beyond Decimal128", bytes.len()),
-        ));
     }
     Ok(())
 }

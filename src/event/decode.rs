@@ -17,13 +17,14 @@ pub(super) fn payload_text(payload: Option<&[u8]>, max_bytes: usize) -> Result<&
         Some([]) => return Err(Reject::new(RejectKind::Empty, "payload is empty")),
         Some(b) => b,
     };
-    check_text_len(bytes.len(), max_bytes)?;
+    check_payload_len(bytes.len(), max_bytes)?;
     std::str::from_utf8(bytes)
         .map_err(|e| Reject::new(RejectKind::NotUtf8, format!("payload is not UTF-8 ({e})")))
 }
 
-/// A payload of `len` bytes is over the limit.
-pub(super) fn check_text_len(len: usize, max_bytes: usize) -> Result<(), Reject> {
+/// A payload (or a binary payload's JSON form) of `len` bytes is over
+/// the limit: `oversize`.
+pub fn check_payload_len(len: usize, max_bytes: usize) -> Result<(), Reject> {
     if len > max_bytes {
         return Err(Reject::new(
             RejectKind::Oversize,

@@ -331,14 +331,10 @@ impl Ledger {
         match verdict {
             Verdict::Stored => c.stored += 1,
             Verdict::UpstreamDuplicate => c.upstream_duplicates += 1,
-            Verdict::DeadLettered => {
+            Verdict::DeadLettered | Verdict::Replayed => {
                 c.dead_lettered += 1;
                 c.dead_letters_repeated += u64::from(repeated);
-            }
-            Verdict::Replayed => {
-                c.dead_lettered += 1;
-                c.dead_letters_repeated += u64::from(repeated);
-                c.dead_letters_replayed += 1;
+                c.dead_letters_replayed += u64::from(verdict == Verdict::Replayed);
             }
             Verdict::Problem(kind) => {
                 c.problems += 1;

@@ -235,12 +235,7 @@ impl Formats {
             None | Some([]) => return Ok(None),
             Some(p) => p,
         };
-        if payload.len() > max_bytes {
-            return Err(Ok(Reject::new(
-                RejectKind::Oversize,
-                format!("payload is {} bytes, limit is {max_bytes}", payload.len()),
-            )));
-        }
+        event::check_payload_len(payload.len(), max_bytes).map_err(Ok)?;
         let (id, data) = wire::split(payload)
             .map_err(|e| Ok(Reject::new(RejectKind::InvalidFormat, e.to_string())))?;
         let schema = match self.cached(id) {

@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use apache_avro::schema::{InnerDecimalSchema, Name, Schema};
 
 use super::{base64, invalid_format, push_decimal, push_float, push_instant, push_json_string};
-use crate::event::decode::{check_text_len, TradeFields};
+use crate::event::decode::{check_payload_len, TradeFields};
 use crate::event::{Identity, Reject, RejectKind, Trade, MAX_EPOCH_SECONDS};
 
 /// How one field's value is encoded, from its schema.
@@ -118,7 +118,7 @@ impl Plan {
             )));
         }
         unwritten.map_or(Ok(()), Err)?;
-        check_text_len(len + 1, limit)?;
+        check_payload_len(len + 1, limit)?;
         Ok(Fields { plan: self, text })
     }
 }
