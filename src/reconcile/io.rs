@@ -17,7 +17,7 @@ use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
 
-use super::known::{KnownKeys, Slots, KNOWN_KEYS};
+use super::known::{KnownKeys, Slots, GENERATION};
 use super::{keys_of, span, Counts, Ledger, Problem, ProblemKind, Span, Start, TradeSeen, Verdict};
 use crate::bucket::store::{BucketStore, StoreError};
 use crate::config::{MappingError, Settings};
@@ -124,6 +124,31 @@ pub struct Report {
     pub problems: Vec<Problem>,
     /// Missing records put back on their topic (`--replay-missing`).
     pub replayed: u64,
+    /// The database work the trades' lookups took.
+    pub lookups: Lookups,
+}
+
+/// How the trades' keys were looked up: what the database was asked and
+/// read, and what memory answered ([`KnownKeys`]).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Lookups {
+    /// Queries sent (one per lookup batch that needed the database).
+    pub queries: u64,
+    /// Keys asked of the database.
+    pub keys_asked: u64,
+    /// Buckets the queries read.
+    pub buckets_read: u64,
+    /// Keys answered by a bucket read before.
+    pub keys_from_memory: u64,
+}
+
+impl Lookups {
+    fn count(&mut self, asked: usize, entries: &[(String, String)]) {
+        self.queries += 1;
+        self.keys_asked += asked as u64;
+        let buckets: HashSet<&str> = entries.iter().map(|(_, b)| b.as_str()).collect();
+        self.buckets_read += buckets.len() as u64;
+    }
 }
 
 impl Report {
@@ -184,7 +209,8 @@ pub async fn run_with(
         formats: Formats::from_settings(settings, Metrics::new())?,
         patience: opts.timeout,
         store,
-        known: trusted.then(|| KnownKeys::new(KNOWN_KEYS)),
+        known: trusted.then(|| KnownKeys::new(GENERATION)),
+        lookups: Lookups::default(),
         slots: Slots {
             sharded: settings.mongodb.sharded,
         },
@@ -199,14 +225,8 @@ pub async fn run_with(
         check.span(&client, span).await?;
     }
     check.bar.finish_and_clear();
-    let replayed = check.replayed;
-    Ok(report(
-        settings,
-        dead_letter_topics,
-        spans,
-        ledger,
-        replayed,
-    ))
+    let done = (check.replayed, check.lookups);
+    Ok(report(settings, dead_letter_topics, spans, ledger, done))
 }
 
 fn report(
@@ -214,7 +234,7 @@ fn report(
     dead_letter_topics: Vec<String>,
     spans: Vec<Span>,
     ledger: Ledger,
-    replayed: u64,
+    (replayed, lookups): (u64, Lookups),
 ) -> Report {
     let partitions = spans
         .into_iter()
@@ -232,6 +252,7 @@ fn report(
         problems_by_kind: ledger.by_kind.clone(),
         problems: ledger.problems,
         replayed,
+        lookups,
     }
 }
 
@@ -379,6 +400,7 @@ struct Check<'a> {
     store: BucketStore,
     /// Buckets already read, by key; `None` while keys are not unique.
     known: Option<KnownKeys>,
+    lookups: Lookups,
     slots: Slots,
     ledger: &'a mut Ledger,
     limit: RateLimit,
@@ -525,8 +547,11 @@ impl Check<'_> {
                 if found.contains_key(&slot) {
                     continue;
                 }
-                match self.known.as_mut().and_then(|known| known.get(&slot)) {
-                    Some(buckets) => found.insert(slot, buckets.to_vec()),
+                match self.known.as_mut().and_then(|known| known.take(&slot)) {
+                    Some(bucket) => {
+                        self.lookups.keys_from_memory += 1;
+                        found.insert(slot, vec![bucket])
+                    }
                     None => {
                         wanted.push((customer.clone(), k.clone()));
                         asked.insert(slot.clone());
@@ -535,16 +560,18 @@ impl Check<'_> {
                 };
             }
         }
-        let read = match self.known.as_mut() {
-            Some(known) => {
-                let read = self
-                    .slots
-                    .group(self.store.find_buckets_of_keys(&wanted).await?);
-                known.remember(&read);
-                read
-            }
-            None => self.slots.group(self.store.find_keys(&wanted).await?),
+        if wanted.is_empty() {
+            return Ok(found);
+        }
+        let entries = match self.known {
+            Some(_) => self.store.find_buckets_of_keys(&wanted).await?,
+            None => self.store.find_keys(&wanted).await?,
         };
+        self.lookups.count(wanted.len(), &entries);
+        let read = self.slots.group(entries);
+        if let Some(known) = self.known.as_mut() {
+            known.remember(&read);
+        }
         // A slot answered from memory is whole already; only the asked
         // ones take what this query read.
         for (slot, buckets) in read {

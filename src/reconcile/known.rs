@@ -9,22 +9,48 @@
 //! Reconcile checks the index before it trusts this
 //! (`BucketStore::trade_keys_are_unique`) and looks every key up otherwise.
 //! A key added after its bucket was read is not here, and is looked up.
+//!
+//! What it must hold is set by the topic, not by the collection. Reconcile
+//! reads one partition after the other. On a keyed topic a bucket's
+//! records are all in one partition, a few thousand records apart, so a
+//! remembered key is used soon. On an unkeyed topic a bucket holds trades
+//! of every partition: a bucket read for partition 0 answers for records
+//! of partitions 1 to 7, read much later, and the keys waiting for them
+//! are most of the topic's (about 76 % of 250,000 at 8 partitions, as
+//! measured on the benchmark's unkeyed set). Reading the partitions
+//! together hardly shortens the wait, since a backlog's buckets are filled
+//! in the order the worker read, not by record time (replayed over the same
+//! set as stored: 63 % of the keys at once merged by record time, 60 % in
+//! turns of 5,000 records). So memory per key is what counts:
+//!
+//! - a key is kept as a 128-bit fingerprint of its slot (two SipHash-1-3
+//!   hashes under one random key per run) with its bucket's `_id`, about
+//!   37 bytes, where the key itself with its list of buckets in an LRU
+//!   took about 190;
+//! - a key is forgotten once its record used it: the memory holds only
+//!   keys whose records may still come (a later record of the same key, an
+//!   upstream duplicate or a replay, is looked up again);
+//! - keys that never come (trades outside the checked spans) age out in
+//!   two generations of [`GENERATION`] remembered keys each: a key lives
+//!   until two generations later were filled, so memory is bounded whatever
+//!   is read.
+//!
+//! A fingerprint shared by two slots would answer for a key that is not
+//! stored: with `n` keys remembered and `m` looked for, the chance is about
+//! `n·m/2¹²⁸` (2·10⁻²⁶ for two million of each), and the random key keeps
+//! anyone from choosing trade ids that collide.
 
 use std::collections::HashMap;
-use std::num::NonZeroUsize;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
-
-use lru::LruCache;
 
 use crate::bucket::id::Prefix;
 use crate::event::CustomerId;
 
-/// Keys remembered at most, each with its bucket `_id` (shared by the
-/// bucket's keys): about 19 MiB of peak RSS in the benchmark (127 MiB in
-/// all against 108 MiB without), where it spared the database server 87 %
-/// of its lookups. A keyed topic's buckets hold keys a few thousand
-/// records apart in one partition, well within it.
-pub const KNOWN_KEYS: usize = 100_000;
+/// Keys remembered per generation; two generations are held, so at most
+/// twice this many keys (about 37 MiB). The benchmark's unkeyed set of
+/// 250,000 records fits in one, so each of its buckets is read once.
+pub const GENERATION: usize = 500_000;
 
 /// Names where a customer's key is stored: its slot. Sharded, a key is
 /// unique per customer, so its slot names the customer; unsharded it is
@@ -75,30 +101,76 @@ impl Slots {
     }
 }
 
-/// The buckets of every key of the buckets read lately, by slot.
+/// A slot's fingerprint: two hashes of it under the run's random key.
+type Fingerprint = (u64, u64);
+
+/// The bucket of every key of the buckets read lately, by slot's
+/// fingerprint, until its record comes.
 pub struct KnownKeys {
-    slots: LruCache<String, Vec<Arc<str>>>,
+    hasher: RandomState,
+    /// Remembered since the last turn of generations.
+    young: Generation,
+    /// Remembered in the generation before.
+    old: Generation,
+    generation: usize,
+}
+
+#[derive(Default)]
+struct Generation {
+    keys: HashMap<Fingerprint, Arc<str>>,
+    /// Keys put in, used or not: when the young generation is full.
+    remembered: usize,
 }
 
 impl KnownKeys {
-    pub fn new(capacity: usize) -> KnownKeys {
-        let capacity = NonZeroUsize::new(capacity.max(1)).expect("max(1)");
+    /// Memory for two generations of `generation` keys each.
+    pub fn new(generation: usize) -> KnownKeys {
         KnownKeys {
-            slots: LruCache::new(capacity),
+            hasher: RandomState::new(),
+            young: Generation::default(),
+            old: Generation::default(),
+            generation: generation.max(1),
         }
     }
 
-    /// Every bucket holding the slot's key, if a bucket read before holds
-    /// it.
-    pub fn get(&mut self, slot: &str) -> Option<&[Arc<str>]> {
-        self.slots.get(slot).map(Vec::as_slice)
+    /// The bucket holding the slot's key, if a bucket read before holds
+    /// it; the key is forgotten, as its record is judged now.
+    pub fn take(&mut self, slot: &str) -> Option<Arc<str>> {
+        let f = self.fingerprint(slot);
+        self.young
+            .keys
+            .remove(&f)
+            .or_else(|| self.old.keys.remove(&f))
     }
 
-    /// Remembers what one query read ([`Slots::group`]).
+    /// Remembers what one query read ([`Slots::group`]). A key twice in
+    /// one bucket is not remembered: its next record is looked up and
+    /// sees both.
     pub fn remember(&mut self, read: &HashMap<String, Vec<Arc<str>>>) {
         for (slot, buckets) in read {
-            self.slots.put(slot.clone(), buckets.clone());
+            if let [bucket] = buckets.as_slice() {
+                if self.young.remembered >= self.generation {
+                    self.old = std::mem::take(&mut self.young);
+                }
+                let f = self.fingerprint(slot);
+                self.young.keys.insert(f, bucket.clone());
+                self.young.remembered += 1;
+            }
         }
+    }
+
+    /// Keys remembered now.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.young.keys.len() + self.old.keys.len()
+    }
+
+    fn fingerprint(&self, slot: &str) -> Fingerprint {
+        // One key, two inputs: the two halves are independent hashes.
+        (
+            self.hasher.hash_one(slot),
+            self.hasher.hash_one((slot, 1u8)),
+        )
     }
 }
 
@@ -112,23 +184,28 @@ mod tests {
             .collect()
     }
 
+    fn bucket(known: &mut KnownKeys, slot: &str) -> Option<String> {
+        known.take(slot).map(|b| b.to_string())
+    }
+
     #[test]
-    fn a_bucket_read_once_answers_for_each_of_its_keys() {
+    fn a_bucket_read_once_answers_for_each_of_its_keys_once() {
         let slots = Slots { sharded: false };
         let mut known = KnownKeys::new(10);
         let read = slots.group(entries(&[("a", "7_01"), ("b", "7_01"), ("c", "8_01")]));
         assert_eq!(read["a"].len(), 1);
         known.remember(&read);
         let slot = slots.slot(&CustomerId::Int(7), "b");
-        assert_eq!(
-            known.get(&slot).map(|b| b[0].to_string()),
-            Some("7_01".into())
-        );
+        assert_eq!(bucket(&mut known, &slot), Some("7_01".into()));
+        // Used: the next record of the key (a duplicate, a replay) is
+        // looked up.
+        assert_eq!(bucket(&mut known, &slot), None);
         // Unsharded, a key is the collection's: another customer's record
         // of it finds the bucket (and reconcile calls it misfiled).
         let slot = slots.slot(&CustomerId::Int(9), "c");
-        assert_eq!(known.get(&slot).map(<[_]>::len), Some(1));
-        assert!(known.get("d").is_none());
+        assert_eq!(bucket(&mut known, &slot), Some("8_01".into()));
+        assert_eq!(bucket(&mut known, "d"), None);
+        assert_eq!(known.len(), 1);
     }
 
     #[test]
@@ -136,29 +213,56 @@ mod tests {
         let slots = Slots { sharded: true };
         let mut known = KnownKeys::new(10);
         known.remember(&slots.group(entries(&[("t:1", "7_01"), ("t:1", "8_01")])));
-        let of = |known: &mut KnownKeys, c: i64| {
-            let slot = slots.slot(&CustomerId::Int(c), "t:1");
-            known
-                .get(&slot)
-                .map(|b| b.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-        };
-        assert_eq!(of(&mut known, 7), Some(vec!["7_01".to_string()]));
-        assert_eq!(of(&mut known, 8), Some(vec!["8_01".to_string()]));
+        let of =
+            |known: &mut KnownKeys, c: i64| bucket(known, &slots.slot(&CustomerId::Int(c), "t:1"));
+        assert_eq!(of(&mut known, 7), Some("7_01".to_string()));
+        assert_eq!(of(&mut known, 8), Some("8_01".to_string()));
         assert_eq!(of(&mut known, 9), None);
         // A bucket that is not ours names no customer: not remembered.
         assert!(slots.group(entries(&[("t:2", "foreign")])).is_empty());
     }
 
     #[test]
-    fn a_key_twice_in_one_bucket_is_there_twice_and_the_oldest_slots_go_first() {
+    fn a_key_twice_in_one_bucket_is_left_to_a_lookup() {
         let slots = Slots { sharded: false };
-        let mut known = KnownKeys::new(2);
-        let read = slots.group(entries(&[("a", "7_01"), ("a", "7_01")]));
+        let mut known = KnownKeys::new(10);
+        let read = slots.group(entries(&[("a", "7_01"), ("a", "7_01"), ("b", "7_01")]));
         assert_eq!(read["a"].len(), 2);
         known.remember(&read);
-        known.remember(&slots.group(entries(&[("b", "7_02")])));
-        known.remember(&slots.group(entries(&[("c", "7_03")])));
-        assert!(known.get("a").is_none());
-        assert!(known.get("c").is_some());
+        assert_eq!(bucket(&mut known, "a"), None);
+        assert_eq!(bucket(&mut known, "b"), Some("7_01".into()));
+    }
+
+    #[test]
+    fn a_key_lives_until_two_later_generations_were_filled() {
+        let slots = Slots { sharded: false };
+        let mut known = KnownKeys::new(2);
+        let put =
+            |known: &mut KnownKeys, k: &str| known.remember(&slots.group(entries(&[(k, "7_01")])));
+        for k in ["a", "b", "c", "d"] {
+            put(&mut known, k);
+        }
+        // a and b were the generation before c and d: still there.
+        assert_eq!(known.len(), 4);
+        assert!(known.take("a").is_some());
+        put(&mut known, "e");
+        // e opened a third generation: a and b's went, used or not.
+        assert_eq!(bucket(&mut known, "b"), None);
+        for k in ["c", "d", "e"] {
+            assert_eq!(bucket(&mut known, k), Some("7_01".into()), "{k}");
+        }
+    }
+
+    #[test]
+    fn memory_never_holds_more_than_two_generations() {
+        let slots = Slots { sharded: false };
+        let mut known = KnownKeys::new(100);
+        for i in 0..10_000 {
+            known.remember(&slots.group(entries(&[(&format!("t:{i}"), "7_01")])));
+            assert!(known.len() <= 200);
+        }
+        // The newest generation whole, the one before it whole.
+        assert!((9_800..10_000).all(|i| known.take(&format!("t:{i}")).is_some()));
+        assert_eq!(known.len(), 0);
     }
 }

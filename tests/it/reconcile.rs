@@ -567,3 +567,67 @@ async fn bad_records_committed_past_while_reconcile_reads_are_not_missing() {
     assert_eq!(total(&again, "dead_lettered"), committed as u64, "{again}");
     env.cleanup().await;
 }
+
+/// An unkeyed topic: each customer's trades, and so each bucket's, on both
+/// partitions (49 customers, trades alternating between partitions),
+/// which reconcile reads one after the other. A bucket read
+/// for partition 0 answers for its keys on partition 1 from memory
+/// (`reconcile::known`), so each bucket is read once; and that memory
+/// still names every trade taken out and every trade planted twice
+/// (position-keyed trades, a copy under the key earlier versions stored a
+/// replay under), in both partitions, early and late, and nothing else.
+#[tokio::test]
+async fn an_unkeyed_topic_s_buckets_are_read_once_and_every_miss_and_double_named() {
+    const TRADES: i64 = 12_000;
+    let env = TestEnv::new("reconcile-unkeyed", 2).await;
+    let sent: Vec<Produced> = (0..TRADES)
+        .map(|i| {
+            let t = trade(format!("U{i}")).customer(i % 49);
+            let t = if i % 5 == 3 { t.no_id() } else { t };
+            Produced {
+                payload: Some(t.json().to_string().into_bytes()),
+                partition: Some((i % 2) as i32),
+                ..Produced::default()
+            }
+        })
+        .collect();
+    let positions = produce_fast(&env.kafka, &env.topic, &sent).await;
+    let worker = WorkerProcess::start(bin(), env.vars(&[]), Log::Quiet);
+    env.wait_committed_to_end(Duration::from_secs(180)).await;
+    assert_eq!(worker.sigterm(Duration::from_secs(30)), Some(0));
+    let coll = env.store().await.collection().clone();
+    let mut expected = BTreeSet::new();
+    for i in [100_i64, 10_001, 11_000] {
+        take_out(&coll, &format!("t:U{i}")).await;
+        let (p, o) = positions[i as usize];
+        expected.insert(("missing".to_string(), i64::from(p), o));
+    }
+    for i in [3_i64, 9_013, 10_008] {
+        let (p, o) = positions[i as usize];
+        let legacy = format!("r:{}/{p}/{o}", env.topic);
+        let customer = i % 49;
+        let bucket = doc! {
+            "_id": format!("{customer}_0000000001"), "customerId": customer, "count": 1,
+            "history": [{"key": &legacy}], "prev": format!("planted-{i}"), "wm": {},
+        };
+        coll.insert_one(bucket).await.unwrap();
+        expected.insert(("stored_twice".to_string(), i64::from(p), o));
+    }
+    let buckets = coll.count_documents(doc! {}).await.unwrap();
+    let (code, report) = reconcile(&env, &[], &[]);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(problems(&report), expected, "{report}");
+    assert_eq!(total(&report, "records"), TRADES as u64);
+    assert_eq!(total(&report, "stored"), TRADES as u64 - 6);
+    let lookups = &report["lookups"];
+    let read = lookups["buckets_read"].as_u64().unwrap();
+    assert!(
+        read > 0 && read <= buckets,
+        "{lookups} of {buckets} buckets"
+    );
+    assert!(
+        lookups["keys_from_memory"].as_u64().unwrap() > 0,
+        "{lookups}"
+    );
+    env.cleanup().await;
+}
