@@ -246,12 +246,21 @@ peak = max(first["peak_rss_mib"], second["peak_rss_mib"] if second else 0)
 targets.append(target("peak RSS ≤ 150 MiB over the 1,000,000-event backlog",
                       f"{peak:.1f} MiB (backlog {r['events']:,})",
                       None if r["events"] < 1_000_000 else peak <= 150))
-rec = r.get("reconcile")
-if rec:
-    targets.append(target("reconcile no slower than the worker took to store the same records",
-                          f"{rec['records']:,} records in {rec['seconds']:.1f} s vs the worker's {rec['worker_seconds']:.1f} s",
-                          rec["seconds"] <= rec["worker_seconds"]))
-    targets.append(target("reconcile peak RSS ≤ 150 MiB", f"{rec['peak_rss_mib']:.1f} MiB",
+def reconcile_measured(rec):
+    """The run's time beside the worker's, with its own CPU and the
+    database server's over it (wall time is noisy on shared cores)."""
+    cpu_of = [f"{name} {rec[k]:.1f} CPU-s" for name, k in
+              (("reconcile", "cpu_seconds"), ("database", "database_cpu_seconds"))
+              if rec.get(k) is not None]
+    return (f"{rec['records']:,} records in {rec['seconds']:.1f} s vs the worker's {rec['worker_seconds']:.1f} s"
+            + (f" ({', '.join(cpu_of)})" if cpu_of else ""))
+
+for name, rec in (("keyed", r.get("reconcile")), ("unkeyed", r.get("reconcile_unkeyed"))):
+    if not rec:
+        continue
+    targets.append(target(f"reconcile no slower than the worker took to store the same records, {name}",
+                          reconcile_measured(rec), rec["seconds"] <= rec["worker_seconds"]))
+    targets.append(target(f"reconcile peak RSS ≤ 150 MiB, {name}", f"{rec['peak_rss_mib']:.1f} MiB",
                           None if rec["records"] < 1_000_000 else rec["peak_rss_mib"] <= 150))
 if second:
     second_ratio = second["events_per_second"] / tb

@@ -91,6 +91,12 @@ struct Args {
     /// Skip the second set (quicker runs while optimising).
     #[arg(long)]
     no_second_set: bool,
+    /// Events of the unkeyed set (a topic of its own, produced without
+    /// keys, so each customer's trades spread over every partition),
+    /// stored by the worker and then reconciled; default a quarter of
+    /// `--events`, 0 skips it.
+    #[arg(long)]
+    unkeyed_events: Option<u64>,
     /// Sample the first set's worker with `perf record -e cpu-clock`
     /// (Debian's linux-perf) and keep `perf report`'s per-symbol table in
     /// `perf.worker.txt`, which report.py sorts by library: where the
@@ -149,6 +155,7 @@ async fn main() -> anyhow::Result<()> {
     let (first, second) = worker_runs(&args, &target, &mut samples, &heads).await?;
     let (second, second_ceiling) = second.unzip();
     let (audit, reconcile) = check_runs(&args, &target, &ceilings, &first, &second).await?;
+    let unkeyed = unkeyed_set(&args, &run_id).await?;
     let appends = append_ceiling(&target, args.customers).await?;
     let per_second = appends["appends_per_second"].as_f64().unwrap_or(0.0);
     eprintln!("bench: append ceiling {per_second:.0} appends/s");
@@ -172,6 +179,8 @@ async fn main() -> anyhow::Result<()> {
         "hold_max_age_seconds": settings.batch.hold_max_age.as_secs_f64(),
         "delays": delays,
         "reconcile": reconcile,
+        "tradebucket_unkeyed": unkeyed.as_ref().map(|u| &u.0),
+        "reconcile_unkeyed": unkeyed.as_ref().map(|u| &u.1),
         "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
     });
     write_results(&args.out, &results, &samples)
@@ -423,12 +432,51 @@ async fn second_ceiling(
     Ok(entry)
 }
 
+/// Step 5c, the unkeyed set: its own topic (as many partitions),
+/// database and group; produced without keys, so a customer's trades, and
+/// each bucket's, come from every partition; stored by the worker (timed
+/// as the first set is), then reconciled. `None` with `--unkeyed-events 0`.
+async fn unkeyed_set(
+    args: &Args,
+    run_id: &str,
+) -> anyhow::Result<Option<(WorkerRun, serde_json::Value)>> {
+    let events = args.unkeyed_events.unwrap_or(args.events / 4);
+    if events == 0 {
+        return Ok(None);
+    }
+    let target = Target::new(
+        &testkit::settings::from_process_env(),
+        &format!("bench-{run_id}-unkeyed"),
+        &format!("bench_{run_id}_unkeyed"),
+        &format!("bench-{run_id}-unkeyed-1"),
+        0,
+    );
+    let settings = target.settings();
+    cli::init(&settings, Some(args.partitions)).await?;
+    let opts = ProduceOptions {
+        no_keys: true,
+        ..produce_options(args, 0, events, 0, &target.topic)
+    };
+    cli::produce(&settings, &opts, false).await?;
+    // Its samples stay out of the timeline, which charts the keyed sets.
+    let mut samples = Vec::new();
+    let run = run_worker(&target, events, events, "unkeyed", &mut samples, None).await?;
+    eprintln!(
+        "bench: unkeyed set {:.0} events/s, peak RSS {:.1} MiB",
+        run.events_per_second, run.peak_rss_mib
+    );
+    let reconcile = reconcile_run(&target, run.seconds).await?;
+    Ok(Some((run, reconcile)))
+}
+
 /// Step 5b: `tradebucket reconcile --rate 0` over every record the worker
 /// runs stored (issue #26: no slower than the worker took to store them,
 /// peak RSS under 150 MiB). Peak RSS is the process's high-water mark
 /// (`VmHWM`), read until it exits: it only grows, so the last reading is
 /// the peak.
 async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<serde_json::Value> {
+    let cpu = Cpu::of_stack();
+    let before = cpu.snapshot(None);
     let started = Instant::now();
     let mut child = std::process::Command::new(bin())
         .args(["reconcile", "--json", "--rate", "0"])
@@ -439,16 +487,25 @@ async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<s
         .spawn()?;
     let status = format!("/proc/{}/status", child.id());
     let mut peak_kib = 0;
-    while child.try_wait()?.is_none() {
+    // Its CPU read as it runs: the last reading before it is reaped (an
+    // exited child keeps its final times until then) is its total.
+    let mut own_cpu = None;
+    loop {
         if let Some(kib) = std::fs::read_to_string(&status)
             .ok()
             .and_then(|s| vm_hwm_kib(&s))
         {
             peak_kib = peak_kib.max(kib);
         }
+        own_cpu = cpu.seconds(child.id()).or(own_cpu);
+        if child.try_wait()?.is_some() {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let servers = cpu.snapshot(None);
+    let spent = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
     let out = child.wait_with_output()?;
     let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     anyhow::ensure!(
@@ -457,9 +514,11 @@ async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<s
         report["total"]
     );
     let records = report["total"]["records"].as_u64().unwrap_or(0);
+    let database_cpu = spent(before.database, servers.database);
     eprintln!(
-        "bench: reconcile {records} records in {seconds:.1} s (the worker: {worker_seconds:.1} s), peak RSS {:.1} MiB",
-        peak_kib as f64 / 1024.0
+        "bench: reconcile {records} records in {seconds:.1} s (the worker: {worker_seconds:.1} s), peak RSS {:.1} MiB, CPU-s {own_cpu:?}, database CPU-s {database_cpu:?}, lookups {}",
+        peak_kib as f64 / 1024.0,
+        report["lookups"]
     );
     Ok(json!({
         "records": records,
@@ -467,6 +526,10 @@ async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<s
         "records_per_second": records as f64 / seconds,
         "worker_seconds": worker_seconds,
         "peak_rss_mib": peak_kib as f64 / 1024.0,
+        "cpu_seconds": own_cpu,
+        "database_cpu_seconds": database_cpu,
+        "broker_cpu_seconds": spent(before.broker, servers.broker),
+        "lookups": report["lookups"],
     }))
 }
 
