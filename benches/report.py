@@ -512,6 +512,27 @@ if ac:
     for lv in ac["levels"]:
         lines.append(f"| {lv['concurrency']} | {lv['appends']:,.0f} | {lv['seconds']:.1f} | "
                      f"{rate(lv['appends_per_second'])} |")
+    loads = [(x, x["servers"]) for x in delays if x.get("servers")]
+    if loads and any(lv.get("database_us_per_append") is not None for lv in ac["levels"]):
+        best = max(ac["levels"], key=lambda lv: lv["appends_per_second"])
+        lines += [
+            "",
+            "What each phase asked of the servers: the cores each used while the load was sent,",
+            "and CPU per trade over the whole phase (drain included), beside the append ceiling's",
+            f"best level: the database {best['database_us_per_append']:.0f} µs per append on"
+            f" {best['database_cores']:.2f} cores, so at most"
+            f" {rate(best['database_cores'] / best['database_us_per_append'] * 1e6)} trades/s"
+            " of appends alone on those cores.",
+            "",
+            "| load | events/s | database cores | database µs per trade | broker cores | broker µs per trade | p99 |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        num = lambda v, f: "–" if v is None else format(v, f)
+        for x, sv in loads:
+            lines.append(f"| {load_of(x)} | {rate(x['rate_events_per_second'])} | "
+                         f"{num(sv['database_cores_under_load'], '.2f')} | {num(sv['database_us_per_trade'], '.0f')} | "
+                         f"{num(sv['broker_cores_under_load'], '.2f')} | {num(sv['broker_us_per_trade'], '.0f')} | "
+                         f"{secs(x['p99_seconds'])} |")
     if held:
         lines += ["", f"Steady capacity (the highest rate of the curve held with p99 ≤ 1 s):"
                   f" {rate(held['rate_events_per_second'])}/s ="

@@ -13,6 +13,7 @@ use tradebucket::bucket::plan;
 use tradebucket::bucket::store::BucketStore;
 
 use crate::ceiling::{final_work, insert_all, side_collection, Heads};
+use crate::cpu::Cpu;
 use crate::target::{Msg, Target};
 
 /// Concurrency levels tried, each on fresh appends; the ceiling is the best.
@@ -46,6 +47,9 @@ pub(crate) async fn append_ceiling(
     let raw = store.collection().clone_with_type::<RawDocumentBuf>();
     insert_all(&raw, docs, 4, s.mongodb.journal).await?;
     let mut heads = opening.heads;
+    // The database's CPU per append and the cores it used: its capacity
+    // beside what a steady phase asks of it (`delay::server_load`).
+    let cpu = Cpu::of_stack();
     let mut levels = Vec::new();
     for (n, &concurrency) in LEVELS.iter().enumerate() {
         let mut fills = Vec::new();
@@ -59,10 +63,14 @@ pub(crate) async fn append_ceiling(
             fills.push(work.fills);
             heads = work.heads;
         }
+        let before = cpu.snapshot(None).database;
         let seconds = apply_concurrently(&store, fills, concurrency).await?;
+        let used = cpu.snapshot(None).database.zip(before).map(|(b, a)| b - a);
         let appends = (ROUNDS_PER_LEVEL as u64 * customers) as f64;
         levels.push(json!({"concurrency": concurrency, "appends": appends,
-                           "seconds": seconds, "appends_per_second": appends / seconds}));
+                           "seconds": seconds, "appends_per_second": appends / seconds,
+                           "database_cores": used.map(|u| u / seconds),
+                           "database_us_per_append": used.map(|u| u / appends * 1e6)}));
         eprintln!(
             "bench: append ceiling at concurrency {concurrency}: {:.0} appends/s",
             appends / seconds

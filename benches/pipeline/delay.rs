@@ -13,6 +13,7 @@ use tradebucket::bucket::store::BucketStore;
 use tradebucket::cli;
 use tradebucket::config::Settings;
 
+use crate::cpu::{Cpu, CpuSnapshot};
 use crate::scrape::{gauge, histogram, quantile, stage_breakdown};
 use crate::target::{committed_reached, end_offsets, kafka_consumer, stop, Target};
 use crate::{produce_options, Args};
@@ -77,10 +78,15 @@ pub(crate) async fn steady_delay(
         let span = Duration::from_secs(args.latency_seconds);
         sampled_delays(&s, &t.topic, &store, span, run).await
     };
+    let cpu = Cpu::of_stack();
+    let before = (cpu.snapshot(None), Instant::now());
     let (produced, sampled) = tokio::join!(cli::produce(&s, &load, false), sampling);
     produced?;
     let sampled = sampled?;
+    let loaded = cpu.snapshot(None);
+    let load_seconds = before.1.elapsed().as_secs_f64();
     let text = drained_metrics(&t, &metrics_url).await?;
+    let servers = server_load(&before, (loaded, load_seconds), cpu.snapshot(None), count);
     stop(child)?;
     let audit = cli::audit(&s, None).await?;
     let expected = count + sampled.len() as u64;
@@ -91,9 +97,36 @@ pub(crate) async fn steady_delay(
         audit.violations
     );
     let mut figures = phase_figures(rate, count, &text, sampled);
+    figures["servers"] = servers;
     figures["stored_trades"] = json!(audit.trades);
     figures["expected_trades"] = json!(expected);
     Ok(figures)
+}
+
+/// What the servers did in a steady phase: the cores each used while the
+/// load was sent (one core of the database's is all its serial apply can
+/// use), and the CPU per trade over the whole phase, drain included: the
+/// database's work per trade at this rate, beside its work per append in
+/// the append ceiling (`appends::append_ceiling`), says whether the
+/// database's capacity sets the knee.
+fn server_load(
+    (start, started): &(CpuSnapshot, Instant),
+    (loaded, load_seconds): (CpuSnapshot, f64),
+    drained: CpuSnapshot,
+    trades: u64,
+) -> serde_json::Value {
+    let phase_seconds = started.elapsed().as_secs_f64();
+    let used = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
+    let cores = |a, b| used(a, b).map(|u| u / load_seconds);
+    let per_trade = |a, b| used(a, b).map(|u| u / trades.max(1) as f64 * 1e6);
+    json!({
+        "load_seconds": load_seconds,
+        "phase_seconds": phase_seconds,
+        "database_cores_under_load": cores(start.database, loaded.database),
+        "broker_cores_under_load": cores(start.broker, loaded.broker),
+        "database_us_per_trade": per_trade(start.database, drained.database),
+        "broker_us_per_trade": per_trade(start.broker, drained.broker),
+    })
 }
 
 /// The worker's metrics once the group has committed to the topic's end.
