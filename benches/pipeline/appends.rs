@@ -63,9 +63,9 @@ pub(crate) async fn append_ceiling(
             fills.push(work.fills);
             heads = work.heads;
         }
-        let before = cpu.snapshot(None).database;
+        let before = cpu.snapshot(None);
         let seconds = apply_concurrently(&store, fills, concurrency).await?;
-        let used = cpu.snapshot(None).database.zip(before).map(|(b, a)| b - a);
+        let used = cpu.snapshot(None).since(&before).database;
         let appends = (ROUNDS_PER_LEVEL as u64 * customers) as f64;
         levels.push(json!({"concurrency": concurrency, "appends": appends,
                            "seconds": seconds, "appends_per_second": appends / seconds,

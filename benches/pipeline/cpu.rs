@@ -101,6 +101,17 @@ impl Cpu {
 }
 
 impl CpuSnapshot {
+    /// CPU-seconds each process used from `earlier` to `self` (`None`
+    /// where either reading is missing).
+    pub(crate) fn since(&self, earlier: &CpuSnapshot) -> CpuSnapshot {
+        let used = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
+        CpuSnapshot {
+            worker: used(earlier.worker, self.worker),
+            broker: used(earlier.broker, self.broker),
+            database: used(earlier.database, self.database),
+        }
+    }
+
     /// CPU-seconds per million events between `self` and `later`, per
     /// process (`null` where unmeasured). A worker is a fresh process per
     /// phase, so its figure is its whole life up to `later`.

@@ -116,16 +116,16 @@ fn server_load(
     trades: u64,
 ) -> serde_json::Value {
     let phase_seconds = started.elapsed().as_secs_f64();
-    let used = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
-    let cores = |a, b| used(a, b).map(|u| u / load_seconds);
-    let per_trade = |a, b| used(a, b).map(|u| u / trades.max(1) as f64 * 1e6);
+    let (load, phase) = (loaded.since(start), drained.since(start));
+    let cores = |used: Option<f64>| used.map(|u| u / load_seconds);
+    let per_trade = |used: Option<f64>| used.map(|u| u / trades.max(1) as f64 * 1e6);
     json!({
         "load_seconds": load_seconds,
         "phase_seconds": phase_seconds,
-        "database_cores_under_load": cores(start.database, loaded.database),
-        "broker_cores_under_load": cores(start.broker, loaded.broker),
-        "database_us_per_trade": per_trade(start.database, drained.database),
-        "broker_us_per_trade": per_trade(start.broker, drained.broker),
+        "database_cores_under_load": cores(load.database),
+        "broker_cores_under_load": cores(load.broker),
+        "database_us_per_trade": per_trade(phase.database),
+        "broker_us_per_trade": per_trade(phase.broker),
     })
 }
 

@@ -504,8 +504,7 @@ async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<s
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let servers = cpu.snapshot(None);
-    let spent = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
+    let servers = cpu.snapshot(None).since(&before);
     let out = child.wait_with_output()?;
     let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     anyhow::ensure!(
@@ -514,7 +513,7 @@ async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<s
         report["total"]
     );
     let records = report["total"]["records"].as_u64().unwrap_or(0);
-    let database_cpu = spent(before.database, servers.database);
+    let database_cpu = servers.database;
     eprintln!(
         "bench: reconcile {records} records in {seconds:.1} s (the worker: {worker_seconds:.1} s), peak RSS {:.1} MiB, CPU-s {own_cpu:?}, database CPU-s {database_cpu:?}, lookups {}",
         peak_kib as f64 / 1024.0,
@@ -528,7 +527,7 @@ async fn reconcile_run(target: &Target, worker_seconds: f64) -> anyhow::Result<s
         "peak_rss_mib": peak_kib as f64 / 1024.0,
         "cpu_seconds": own_cpu,
         "database_cpu_seconds": database_cpu,
-        "broker_cpu_seconds": spent(before.broker, servers.broker),
+        "broker_cpu_seconds": servers.broker,
         "lookups": report["lookups"],
     }))
 }

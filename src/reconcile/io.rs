@@ -225,8 +225,15 @@ pub async fn run_with(
         check.span(&client, span).await?;
     }
     check.bar.finish_and_clear();
-    let done = (check.replayed, check.lookups);
-    Ok(report(settings, dead_letter_topics, spans, ledger, done))
+    let (replayed, lookups) = (check.replayed, check.lookups);
+    Ok(report(
+        settings,
+        dead_letter_topics,
+        spans,
+        ledger,
+        replayed,
+        lookups,
+    ))
 }
 
 fn report(
@@ -234,7 +241,8 @@ fn report(
     dead_letter_topics: Vec<String>,
     spans: Vec<Span>,
     ledger: Ledger,
-    (replayed, lookups): (u64, Lookups),
+    replayed: u64,
+    lookups: Lookups,
 ) -> Report {
     let partitions = spans
         .into_iter()
@@ -398,7 +406,8 @@ struct Check<'a> {
     /// How long a record may wait for the Schema Registry.
     patience: Duration,
     store: BucketStore,
-    /// Buckets already read, by key; `None` while keys are not unique.
+    /// The keys of buckets read whose records are still to come; `None`
+    /// while keys are not unique.
     known: Option<KnownKeys>,
     lookups: Lookups,
     slots: Slots,
