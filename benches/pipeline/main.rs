@@ -151,6 +151,7 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("bench: produced {} events in {secs:.1} s", args.events);
 
     let (ceilings, heads) = ceilings(&args, &target).await?;
+    let rest = servers_at_rest().await;
     let mut samples = Vec::new();
     let (first, second) = worker_runs(&args, &target, &mut samples, &heads).await?;
     let (second, second_ceiling) = second.unzip();
@@ -168,6 +169,7 @@ async fn main() -> anyhow::Result<()> {
         "customers": args.customers,
         "partitions": args.partitions,
         "produce_events_per_second": produce_rate,
+        "servers_at_rest": rest,
         "kafka_read_ceiling": ceilings["kafka_read_ceiling"],
         "plain_consumer": ceilings["plain_consumer"],
         "database_ceiling": ceilings["database_ceiling"],
@@ -184,6 +186,32 @@ async fn main() -> anyhow::Result<()> {
         "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
     });
     write_results(&args.out, &results, &samples)
+}
+
+/// Step 4b: what the servers cost with no client at all, in cores (CPU-s
+/// a second), over a window after a pause for the phases before to settle.
+/// A KRaft node spends CPU on its own (the controller's quorum, the
+/// metadata log, timers) whether or not anyone reads: spread over a
+/// phase's events it is part of every per-event figure, the more the
+/// longer the phase, so report.py takes it out where phases of different
+/// lengths are compared (the worker's 30-odd seconds against the plain
+/// consumer's few).
+async fn servers_at_rest() -> serde_json::Value {
+    const SETTLE: Duration = Duration::from_secs(5);
+    const WINDOW: Duration = Duration::from_secs(20);
+    tokio::time::sleep(SETTLE).await;
+    let cpu = Cpu::of_stack();
+    let before = cpu.snapshot(None);
+    tokio::time::sleep(WINDOW).await;
+    let used = cpu.snapshot(None).since(&before);
+    let cores = |s: Option<f64>| s.map(|s| s / WINDOW.as_secs_f64());
+    let rest = json!({
+        "seconds": WINDOW.as_secs_f64(),
+        "broker_cores": cores(used.broker),
+        "database_cores": cores(used.database),
+    });
+    eprintln!("bench: servers at rest {rest}");
+    rest
 }
 
 /// After the worker runs: the audit (every trade stored once), reconcile
