@@ -114,6 +114,10 @@ struct Args {
     /// CPU is its own (see `plain_consumer`).
     #[arg(long, hide = true)]
     plain_consumer: Option<String>,
+    /// Internal, with `--plain-consumer`: read at most this many records a
+    /// second (0: as fast as it can).
+    #[arg(long, hide = true, default_value_t = 0.0)]
+    plain_rate: f64,
 }
 
 /// The release binary `cargo bench` built alongside this program.
@@ -154,6 +158,11 @@ async fn main() -> anyhow::Result<()> {
     let rest = servers_at_rest().await;
     let mut samples = Vec::new();
     let (first, second) = worker_runs(&args, &target, &mut samples, &heads).await?;
+    let paced = plain_consumer(&args, &target, &Cpu::of_stack(), first.events_per_second)?;
+    eprintln!(
+        "bench: plain consumer at the worker's pace, CPU-s per million {}",
+        paced["cpu_per_million"]
+    );
     let (second, second_ceiling) = second.unzip();
     let (audit, reconcile) = check_runs(&args, &target, &ceilings, &first, &second).await?;
     let unkeyed = unkeyed_set(&args, &run_id).await?;
@@ -172,6 +181,7 @@ async fn main() -> anyhow::Result<()> {
         "servers_at_rest": rest,
         "kafka_read_ceiling": ceilings["kafka_read_ceiling"],
         "plain_consumer": ceilings["plain_consumer"],
+        "plain_consumer_paced": paced,
         "database_ceiling": ceilings["database_ceiling"],
         "database_ceiling_second": second_ceiling,
         "naive_baseline": ceilings["naive_baseline"],
@@ -281,7 +291,7 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<(serde_json::V
     let kafka_cpu = before.per_million(&cpu.snapshot(None), args.events);
     let kafka_rate = args.events as f64 / kafka_secs;
     eprintln!("bench: Kafka read ceiling {kafka_rate:.0} events/s, CPU-s per million {kafka_cpu}");
-    let plain = plain_consumer(args, target, &cpu)?;
+    let plain = plain_consumer(args, target, &cpu, 0.0)?;
     eprintln!(
         "bench: plain consumer (own process), CPU-s per million {}",
         plain["cpu_per_million"]
@@ -325,11 +335,25 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<(serde_json::V
 /// this program's, is measured as the worker's is: from /proc/PID/stat of
 /// its process (it reads its own before exiting). The servers' CPU over
 /// its run is measured beside it.
-fn plain_consumer(args: &Args, target: &Target, cpu: &Cpu) -> anyhow::Result<serde_json::Value> {
+///
+/// At `rate` > 0 it reads no faster than that (step 5b, at the worker's
+/// rate): a broker spends CPU by the second whoever reads (a KRaft node's
+/// quorum, metadata log and timers: 0.02 to 0.03 cores with no client at
+/// all), which over the worker's tens of seconds is as large as what the
+/// reading itself costs it, and over a full-speed read's few seconds is
+/// nothing. Read at the worker's pace, the plain consumer's phase lasts
+/// as long as the worker's, so the broker's per-event figures compare.
+fn plain_consumer(
+    args: &Args,
+    target: &Target,
+    cpu: &Cpu,
+    rate: f64,
+) -> anyhow::Result<serde_json::Value> {
     let before = cpu.snapshot(None);
     let started = Instant::now();
     let out = std::process::Command::new(std::env::current_exe()?)
         .args(["--plain-consumer", &target.topic])
+        .args(["--plain-rate", &rate.to_string()])
         .args(["--partitions", &args.partitions.to_string()])
         .args(["--events", &args.events.to_string()])
         .env_clear()
@@ -343,6 +367,7 @@ fn plain_consumer(args: &Args, target: &Target, cpu: &Cpu) -> anyhow::Result<ser
     let own_seconds = own["cpu_seconds"].as_f64().unwrap_or(f64::NAN);
     cpu_per_million["consumer"] = json!(own_seconds / args.events.max(1) as f64 * 1e6);
     Ok(json!({
+        "rate_limit": rate,
         "seconds": seconds,
         "read_seconds": own["seconds"],
         "events_per_second": args.events as f64 / seconds,
@@ -373,6 +398,11 @@ fn plain_consumer_child(args: &Args, topic: &str) -> anyhow::Result<()> {
         if let Some(m) = consumer.poll(Duration::from_millis(100)) {
             bytes += m?.payload().map_or(0, <[u8]>::len);
             read += 1;
+            if args.plain_rate > 0.0 && read % 1000 == 0 {
+                // Ahead of the pace: wait until the rate allows the next.
+                let due = Duration::from_secs_f64(read as f64 / args.plain_rate);
+                std::thread::sleep(due.saturating_sub(started.elapsed()));
+            }
         }
     }
     let seconds = started.elapsed().as_secs_f64();
