@@ -9,7 +9,10 @@
 //!   written with unordered bulk inserts;
 //! - the Kafka read ceiling: reading the topic without processing;
 //! - the worker's floor: a plain consumer of the same backlog in a process
-//!   of its own (this program, `--plain-consumer`), with its own CPU;
+//!   of its own (this program, `--plain-consumer`), with its own CPU; and
+//!   the same consumer again at the worker's rate (`--plain-rate`), whose
+//!   phase lasts as long as the worker's, for the broker's CPU per event;
+//! - the servers at rest: their CPU with no client at all, in cores;
 //! - CPU-seconds per million events of the worker, the broker and the
 //!   database server in each phase (`Cpu`, from /proc/PID/stat);
 //! - the worker's peak RSS, and the delay from message timestamp to
