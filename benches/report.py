@@ -63,6 +63,10 @@ db2_cpu = cpu(db2, "database") if db2 else None
 bound2 = bound_of(db2_cpu)
 
 def rate(x): return f"{x:,.0f}"
+# A target a server's own ceiling already misses: the server doing
+# nothing but its part of the work falls short of it, so no client on
+# this machine can meet it. The verdict says so, beside the miss.
+SERVER_FLOOR = "server floor"
 def verdict(ok):
     if ok == SERVER_FLOOR:
         return "**misses**: set by the server (its own ceiling misses it)"
@@ -195,10 +199,6 @@ def worker_profile_lines(path, worker_us):
 
 def target(name, measured, ok):
     return (name, measured, ok if ok is None or ok == SERVER_FLOOR else bool(ok))
-# A target a server's own ceiling already misses: the server doing
-# nothing but its part of the work falls short of it, so no client on
-# this machine can meet it. The verdict says so, beside the miss.
-SERVER_FLOOR = "server floor"
 def floor_verdict(ok, server_share, needed):
     if ok is None or ok:
         return ok
