@@ -541,16 +541,20 @@ if ac:
         "",
         f"The append ceiling ({rate(ac['appends_per_second'])} appends/s): the database's own capacity for",
         "the product's one-trade appends to open buckets, which every trade of a steady load",
-        f"over {ac['customers']:,} customers is. Every customer's bucket opened with one trade,",
-        "then the product's own fill statements, one trade each, in `update` commands of",
+        f"over {ac['customers']:,} customers is. Each level on customers of its own, each",
+        "customer's bucket opened with one trade (not timed), then the product's own fill",
+        "statements, one trade each, until the bucket is full"
+        + (f" ({ac['appends_per_bucket']} appends: every size a steady load appends to)"
+           if ac.get("appends_per_bucket") else "") + ", in `update` commands of",
         f"{ac['per_command']} statements (one batch's worth at 2,000 events/s), a customer's appends",
         "in order in one stream, at the worker's write concern; the best level counts:",
         "",
-        "| concurrent streams | appends | seconds | appends/s |",
-        "|---:|---:|---:|---:|",
+        "| concurrent streams | customers | appends | seconds | appends/s |",
+        "|---:|---:|---:|---:|---:|",
     ]
     for lv in ac["levels"]:
-        lines.append(f"| {lv['concurrency']} | {lv['appends']:,.0f} | {lv['seconds']:.1f} | "
+        lines.append(f"| {lv['concurrency']} | {lv.get('customers', ac['customers']):,} | "
+                     f"{lv['appends']:,.0f} | {lv['seconds']:.1f} | "
                      f"{rate(lv['appends_per_second'])} |")
     loads = [(x, x["servers"]) for x in delays if x.get("servers")]
     if loads and any(lv.get("database_us_per_append") is not None for lv in ac["levels"]):

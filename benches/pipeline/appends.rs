@@ -16,12 +16,16 @@ use crate::ceiling::{final_work, insert_all, side_collection, Heads};
 use crate::cpu::Cpu;
 use crate::target::{Msg, Target};
 
-/// Concurrency levels tried, each on fresh appends; the ceiling is the best.
-/// Two rounds of one append per customer each, after a first trade that
-/// opens every customer's bucket: 1 + 2 × 4 = 9 trades per customer, so
-/// every append goes into a bucket still open at the default capacity 10.
+/// Concurrency levels tried; the ceiling is the best. Each level has a
+/// block of customers of its own (a quarter of them), whose buckets are
+/// opened with one trade (setup, not timed) and then take one append each
+/// round until full: every append of a bucket's life, from one trade to
+/// `buckets.capacity`, as a steady load sends them. The stand-in's cost of
+/// an append grows with the bucket (about 320 µs at one trade, 350 to 410
+/// at eight or nine: docs/benchmarks.md, "Session 27"), so a ceiling over
+/// new buckets only overstated the capacity, and levels measured one after
+/// another on the same buckets confused concurrency with size.
 const LEVELS: [usize; 4] = [1, 2, 4, 8];
-const ROUNDS_PER_LEVEL: usize = 2;
 
 /// Appends per `update` command: about one batch's worth at 2,000 events/s
 /// over `batch.linger` (50 ms), one statement per customer in it.
@@ -36,38 +40,35 @@ pub(crate) async fn append_ceiling(
 ) -> anyhow::Result<serde_json::Value> {
     let (s, store) = side_collection(target, "append_ceiling").await?;
     let limits = plan::Limits::with_capacity(s.buckets.capacity);
+    let appends_per_bucket = s.buckets.capacity as usize - 1;
+    let block = customers / LEVELS.len() as u64;
     anyhow::ensure!(
-        s.buckets.capacity as usize > LEVELS.len() * ROUNDS_PER_LEVEL,
-        "buckets.capacity {} leaves no room for the append rounds",
+        appends_per_bucket > 0 && block > 0,
+        "no appends to measure: buckets.capacity {}, {customers} customers",
         s.buckets.capacity
     );
-    // Every customer's bucket opened with one trade: setup, not timed.
-    let opening = final_work(&target.topic, &round(0, customers), limits, &Heads::new())?;
-    let docs = opening.docs.chunks(1000).map(<[_]>::to_vec).collect();
-    let raw = store.collection().clone_with_type::<RawDocumentBuf>();
-    insert_all(&raw, docs, 4, s.mongodb.journal).await?;
-    let mut heads = opening.heads;
     // The database's CPU per append and the cores it used: its capacity
     // beside what a steady phase asks of it (`delay::server_load`).
     let cpu = Cpu::of_stack();
     let mut levels = Vec::new();
     for (n, &concurrency) in LEVELS.iter().enumerate() {
-        let mut fills = Vec::new();
-        for r in 0..ROUNDS_PER_LEVEL {
-            let number = 1 + n * ROUNDS_PER_LEVEL + r;
-            let work = final_work(&target.topic, &round(number, customers), limits, &heads)?;
-            anyhow::ensure!(
-                work.docs.is_empty() && work.filled == customers as usize,
-                "round {number} is not one append per customer"
-            );
-            fills.push(work.fills);
-            heads = work.heads;
-        }
+        let first = n as u64 * block;
+        let customers = first..first + block;
+        let fills = bucket_lives(
+            &store,
+            &target.topic,
+            s.mongodb.journal,
+            limits,
+            customers,
+            appends_per_bucket,
+        )
+        .await?;
         let before = cpu.snapshot(None);
         let seconds = apply_concurrently(&store, fills, concurrency).await?;
         let used = cpu.snapshot(None).since(&before).database;
-        let appends = (ROUNDS_PER_LEVEL as u64 * customers) as f64;
-        levels.push(json!({"concurrency": concurrency, "appends": appends,
+        let appends = (appends_per_bucket as u64 * block) as f64;
+        levels.push(json!({"concurrency": concurrency, "customers": block,
+                           "appends": appends,
                            "seconds": seconds, "appends_per_second": appends / seconds,
                            "database_cores": used.map(|u| u / seconds),
                            "database_us_per_append": used.map(|u| u / appends * 1e6)}));
@@ -81,16 +82,46 @@ pub(crate) async fn append_ceiling(
         .filter_map(|l| l["appends_per_second"].as_f64())
         .fold(0.0, f64::max);
     Ok(json!({"customers": customers, "per_command": PER_COMMAND,
+              "appends_per_bucket": appends_per_bucket,
               "appends_per_second": best, "levels": levels}))
+}
+
+/// Opens one bucket for each of `customers` (inserted, not timed) and
+/// returns the rounds of fill statements (the trades read as from `topic`) that fill them: `appends` rounds
+/// of one trade per customer, each round's planned after the one before.
+async fn bucket_lives(
+    store: &BucketStore,
+    topic: &str,
+    journal: bool,
+    limits: plan::Limits,
+    customers: std::ops::Range<u64>,
+    appends: usize,
+) -> anyhow::Result<Vec<Vec<RawDocumentBuf>>> {
+    let opening = final_work(topic, &round(0, customers.clone()), limits, &Heads::new())?;
+    let docs = opening.docs.chunks(1000).map(<[_]>::to_vec).collect();
+    let raw = store.collection().clone_with_type::<RawDocumentBuf>();
+    insert_all(&raw, docs, 4, journal).await?;
+    let mut heads = opening.heads;
+    let mut rounds = Vec::with_capacity(appends);
+    for number in 1..=appends {
+        let work = final_work(topic, &round(number, customers.clone()), limits, &heads)?;
+        anyhow::ensure!(
+            work.docs.is_empty() && work.filled == customers.clone().count(),
+            "round {number} is not one append per customer"
+        );
+        rounds.push(work.fills);
+        heads = work.heads;
+    }
+    Ok(rounds)
 }
 
 /// One trade for every customer, as messages the product's decoder reads.
 /// Trade ids are unique across rounds; the date is the generator's.
-fn round(number: usize, customers: u64) -> Vec<Msg> {
-    (0..customers)
+fn round(number: usize, customers: std::ops::Range<u64>) -> Vec<Msg> {
+    customers
         .map(|c| Msg {
             partition: 0,
-            offset: (number as u64 * customers + c) as i64,
+            offset: (number as u64 * 1_000_000_000 + c) as i64,
             payload: testkit::event::trade(format!("A-{number}-{c}"))
                 .customer(c)
                 .payload(),
