@@ -46,7 +46,14 @@ pub(crate) async fn database_ceiling(
         // the ceiling's was pushed out by the worker's first set, and on
         // the local server a cold read costs about ten times a warm one
         // (22.2 s of reads against the worker's 2.3, in 20261126200352).
-        read_heads(&store, &work.customers, s.mongodb.load_concurrency).await?;
+        // Untimed, so with a longer operation limit than the worker's 30 s:
+        // in two runs on 2026-11-28 single cold finds took 26 to 31 s
+        // (docs/benchmarks.md, "Session 27") and the run died here.
+        let warm = target
+            .clone()
+            .with_var("TRADEBUCKET__TIMEOUTS__MONGODB_OPERATION", "10m");
+        let (_, cold) = side_collection(&warm, "ceiling").await?;
+        read_heads(&cold, &work.customers, s.mongodb.load_concurrency).await?;
     }
     // Only the writes count: planning and encoding above are the bench's.
     // This process's own CPU meanwhile is the driver's for sending those
