@@ -15,19 +15,14 @@ quotes its output.
 """
 import sys, time
 from pymongo import MongoClient
-from stack_probe import cpu, url
+from stack_probe import cpu, entry, product_indexes, url
 N = 5000
 client = MongoClient(url)
 db = client['append_probe']
 coll = db['b']
-def entry(i, k):
-    return {'key': f't:{i}-{k}', 'ticker': 'AAPL', 'qty': 1, 'price': 10.5, 'pad': 'x' * 60}
 def setup(k):
     client.drop_database('append_probe')
-    coll.create_index([('customerId', 1), ('tickers', 1)])
-    exists = lambda f: {'partialFilterExpression': {f: {'$exists': True}}}
-    coll.create_index('history.key', unique=True, **exists('history.key'))
-    coll.create_index('prev', unique=True, **exists('prev'))
+    product_indexes(coll)
     docs = [{'_id': f'{i}_1700000000', 'customerId': i, 'count': k, 'cap': 10, 'bytes': 200 * k,
              'capBytes': 7864011, 'prev': f'{i}_', 'tickers': ['AAPL'], 'wm': {'t:0': k},
              'history': [entry(i, j) for j in range(k)]} for i in range(N)]

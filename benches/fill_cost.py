@@ -16,19 +16,14 @@ quotes its output.
 """
 import time
 from pymongo import MongoClient
-from stack_probe import cpu, url
+from stack_probe import cpu, entry, product_indexes, url
 N = 5000
 client = MongoClient(url)
 db = client['fill_probe']
 coll = db['b']
-def entry(i, k):
-    return {'key': f't:{i}-{k}', 'ticker': 'AAPL', 'qty': 1, 'price': 10.5, 'pad': 'x' * 60}
 def setup():
     client.drop_database('fill_probe')
-    coll.create_index([('customerId', 1), ('tickers', 1)])
-    exists = lambda f: {'partialFilterExpression': {f: {'$exists': True}}}
-    coll.create_index('history.key', unique=True, **exists('history.key'))
-    coll.create_index('prev', unique=True, **exists('prev'))
+    product_indexes(coll)
     docs = [{'_id': f'{i}_1700000000', 'customerId': i, 'count': 5, 'cap': 10, 'bytes': 2000,
              'capBytes': 7864011, 'prev': f'{i}_', 'tickers': ['AAPL', 'MSFT'], 'wm': {'t:0': 5},
              'history': [entry(i, k) for k in range(5)]} for i in range(N)]

@@ -15,23 +15,19 @@ stack running (scripts/stack start) and pymongo. docs/benchmarks.md
 import sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pymongo import MongoClient
-from stack_probe import cpu, url
+from stack_probe import cpu, entry, product_indexes, url
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 100000
 IN_FLIGHT = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 client = MongoClient(url, maxPoolSize=8)
 coll = client['insert_growth']['b']
 client.drop_database('insert_growth')
-coll.create_index([('customerId', 1), ('tickers', 1)])
-exists = lambda f: {'partialFilterExpression': {f: {'$exists': True}}}
-coll.create_index('history.key', unique=True, **exists('history.key'))
-coll.create_index('prev', unique=True, **exists('prev'))
+product_indexes(coll)
 def bucket(n):
     c, j = n % 10000, n // 10000
     return {'_id': f'{c}_{1700000000 + j:010d}', 'customerId': c, 'count': 10, 'cap': 10,
             'bytes': 3000, 'capBytes': 7864011, 'prev': f'{c}_{1700000000 + j - 1:010d}' if j else f'{c}_',
             'tickers': ['AAPL'], 'wm': {'t:0': n},
-            'history': [{'key': f't:{n}-{k}', 'ticker': 'AAPL', 'qty': 1, 'price': 10.5, 'pad': 'x' * 60}
-                        for k in range(10)]}
+            'history': [entry(n, k) for k in range(10)]}
 def insert(first):
     coll.insert_many([bucket(n) for n in range(first, first + 1000)], ordered=False)
 for name, start in [('first set', 0), ('second set', B)]:

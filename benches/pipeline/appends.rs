@@ -87,8 +87,9 @@ pub(crate) async fn append_ceiling(
 }
 
 /// Opens one bucket for each of `customers` (inserted, not timed) and
-/// returns the rounds of fill statements (the trades read as from `topic`) that fill them: `appends` rounds
-/// of one trade per customer, each round's planned after the one before.
+/// returns the rounds of fill statements that fill them: `appends` rounds
+/// of one trade per customer (read as from `topic`), each round's planned
+/// after the one before.
 async fn bucket_lives(
     store: &BucketStore,
     topic: &str,
@@ -106,7 +107,7 @@ async fn bucket_lives(
     for number in 1..=appends {
         let work = final_work(topic, &round(number, customers.clone()), limits, &heads)?;
         anyhow::ensure!(
-            work.docs.is_empty() && work.filled == customers.clone().count(),
+            work.docs.is_empty() && work.filled as u64 == customers.end - customers.start,
             "round {number} is not one append per customer"
         );
         rounds.push(work.fills);
@@ -116,7 +117,10 @@ async fn bucket_lives(
 }
 
 /// One trade for every customer, as messages the product's decoder reads.
-/// Trade ids are unique across rounds; the date is the generator's.
+/// Trade ids are unique across rounds; the date is the generator's. The
+/// offsets grow from round to round (while customers number under a
+/// billion), so the planner takes no round for a redelivery of the one
+/// before (a bucket's watermark is the highest offset it holds).
 fn round(number: usize, customers: std::ops::Range<u64>) -> Vec<Msg> {
     customers
         .map(|c| Msg {

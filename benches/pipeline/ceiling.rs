@@ -49,11 +49,11 @@ pub(crate) async fn database_ceiling(
         // Untimed, so with a longer operation limit than the worker's 30 s:
         // in two runs on 2026-11-28 single cold finds took 26 to 31 s
         // (docs/benchmarks.md, "Session 27") and the run died here.
-        let warm = target
+        let patient = target
             .clone()
             .with_var("TRADEBUCKET__TIMEOUTS__MONGODB_OPERATION", "10m");
-        let (_, cold) = side_collection(&warm, "ceiling").await?;
-        read_heads(&cold, &work.customers, s.mongodb.load_concurrency).await?;
+        let (_, warming) = side_collection(&patient, "ceiling").await?;
+        read_heads(&warming, &work.customers, s.mongodb.load_concurrency).await?;
     }
     // Only the writes count: planning and encoding above are the bench's.
     // This process's own CPU meanwhile is the driver's for sending those
