@@ -293,8 +293,16 @@ for name, rec in (("keyed", r.get("reconcile")), ("unkeyed", r.get("reconcile_un
                           None if rec["records"] < 1_000_000 else rec["peak_rss_mib"] <= 150))
 if second:
     second_ratio = second["events_per_second"] / tb
-    targets.append(target("second million within 10 % of the first", f"{second_ratio:.2f} × the first",
-                          abs(second_ratio - 1) <= 0.10))
+    # The second set's database ceiling is the least a restarted worker
+    # must ask of the server there: if the server doing only that falls
+    # short of 0.9 × the first set's rate, no worker meets the target.
+    floor2 = db2.get("trades_per_second") if db2 else None
+    second_held = floor_verdict(abs(second_ratio - 1) <= 0.10, floor2 / tb if floor2 else None, 0.9)
+    targets.append(target(
+        "second million within 10 % of the first", f"{second_ratio:.2f} × the first"
+        + (f"; the second set's database ceiling (the least a restart must do, nothing else):"
+           f" {rate(floor2)}/s = {floor2 / tb:.2f} × the first's rate" if floor2 else ""),
+        second_held))
     if bound and bound2:
         share, share2 = tb / bound, second["events_per_second"] / bound2
         targets.append(target(

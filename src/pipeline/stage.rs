@@ -196,7 +196,14 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         let (mut work, hold_from) = self.with_held(batch, handling.partial, started);
         let (outcomes, stats) = self.write_until_done(&work.events, hold_from).await;
         let mut counts = OutcomeCounts::default();
-        let mut held = Vec::new();
+        // Sized once: under a backlog tens of thousands of trades are held
+        // a batch, and growing by doubling copied each of them again.
+        let mut held = Vec::with_capacity(
+            outcomes
+                .iter()
+                .filter(|o| matches!(o, Outcome::Held))
+                .count(),
+        );
         for (j, (event, outcome)) in work.events.drain(..).zip(outcomes).enumerate() {
             match outcome {
                 Outcome::Written => counts.written += 1,
