@@ -87,8 +87,8 @@ const PREFETCH: [(&str, &str); 4] = [
     // 142 MiB with 16 MiB here, 118 to 126 with 4 MiB). On Apache Kafka,
     // which answers a backlog's fetches at once, 4 MiB still kept the
     // worker at 171 to 175 MiB over a million-event backlog, against 133
-    // to 137 with 1 MiB, which also cut its CPU by a fifth (fewer, smaller
-    // buffers to fault in and walk; docs/benchmarks.md, "Session 28").
+    // to 137 with 1 MiB, which also cut its CPU by a fifth (measured, not
+    // yet explained; docs/benchmarks.md, "Session 28").
     // 1 MiB is still about 5,000 typical events a fetch. librdkafka refuses
     // less than `message.max.bytes` (1,000,000 by default): raise both
     // together in `kafka.options`.
