@@ -38,7 +38,12 @@ pub(crate) async fn append_ceiling(
     target: &Target,
     customers: u64,
 ) -> anyhow::Result<serde_json::Value> {
-    let (s, store) = side_collection(target, "append_ceiling").await?;
+    // The levels set the concurrency: each command goes as one, never
+    // split by the product's `mongodb.fill_concurrency`.
+    let one = target
+        .clone()
+        .with_var("TRADEBUCKET__MONGODB__FILL_CONCURRENCY", "1");
+    let (s, store) = side_collection(&one, "append_ceiling").await?;
     let limits = plan::Limits::with_capacity(s.buckets.capacity);
     let appends_per_bucket = s.buckets.capacity as usize - 1;
     let block = customers / LEVELS.len() as u64;
@@ -168,10 +173,16 @@ async fn apply_concurrently(
 /// customer's appends, all to its one open bucket, share a stream.
 fn stream_of(statement: &RawDocumentBuf, streams: usize) -> anyhow::Result<usize> {
     use std::hash::{Hash, Hasher};
-    let bucket = statement.get_document("q")?.get_str("_id")?;
+    let bucket = stream_key(statement)?;
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     bucket.hash(&mut hasher);
     Ok((hasher.finish() % streams as u64) as usize)
+}
+
+/// The bucket a fill statement appends to (`q._id`): its customer's open
+/// bucket, the same in every round of a bucket's life.
+fn stream_key(statement: &RawDocumentBuf) -> anyhow::Result<String> {
+    Ok(statement.get_document("q")?.get_str("_id")?.to_string())
 }
 
 async fn apply_in_order(store: &BucketStore, stream: Vec<RawDocumentBuf>) -> anyhow::Result<u64> {
@@ -186,4 +197,153 @@ async fn apply_in_order(store: &BucketStore, stream: Vec<RawDocumentBuf>) -> any
         matched += outcome.matched;
     }
     Ok(matched)
+}
+
+/// The database's own delay under appends arriving at a steady `rate`
+/// (issue #45: the steady capacity's knee): the same one-trade appends to
+/// open buckets, sent by one client as the worker would send them, with
+/// no Kafka, no decoding, no planning and no other work on the machine
+/// but this process's. One stream: whenever the previous command has
+/// answered, everything due by then goes in the next (at least one
+/// append, waited for; never one customer twice), as the worker's batches
+/// close while its writes run. Each append's delay runs from its due time
+/// to its command's answer. If the server alone cannot keep its p99
+/// within a second at a rate, no client of it can.
+pub(crate) async fn paced_appends(
+    target: &Target,
+    first_customer: u64,
+    rate: f64,
+    seconds: u64,
+) -> anyhow::Result<serde_json::Value> {
+    let one = target
+        .clone()
+        .with_var("TRADEBUCKET__MONGODB__FILL_CONCURRENCY", "1");
+    let (s, store) = side_collection(&one, "append_paced").await?;
+    let limits = plan::Limits::with_capacity(s.buckets.capacity);
+    let appends_per_bucket = s.buckets.capacity as usize - 1;
+    let count = (rate * seconds as f64) as usize;
+    let customers = count.div_ceil(appends_per_bucket.max(1)) as u64;
+    let range = first_customer..first_customer + customers;
+    let rounds = bucket_lives(
+        &store,
+        &target.topic,
+        s.mongodb.journal,
+        limits,
+        range,
+        appends_per_bucket,
+    )
+    .await?;
+    let steady = Steady::of(rounds)?;
+    let cpu = Cpu::of_stack();
+    let before = cpu.snapshot(None);
+    let (delays, seconds) = send_paced(&store, &steady, rate).await?;
+    let used = cpu.snapshot(None).since(&before);
+    // Only the appends due while every bucket size is being appended to.
+    let mut measured: Vec<f64> = delays
+        .iter()
+        .zip(&steady.measured)
+        .filter_map(|(&d, &m)| m.then_some(d))
+        .collect();
+    measured.sort_by(f64::total_cmp);
+    anyhow::ensure!(!measured.is_empty(), "no paced appends measured");
+    let at = |q: f64| measured[((measured.len() - 1) as f64 * q).round() as usize];
+    Ok(
+        json!({"rate": rate, "appends": delays.len(), "measured": measured.len(),
+              "seconds": seconds,
+              "p50_seconds": at(0.5), "p99_seconds": at(0.99), "max_seconds": at(1.0),
+              "database_cores": used.database.map(|u| u / seconds),
+              "machine_cores": used.machine.map(|u| u / seconds)}),
+    )
+}
+
+/// Bucket lives laid out in time as a steady load appends to them: at
+/// any moment buckets of every size take appends (the stand-in's cost
+/// grows with the bucket), not the whole set's first appends and then its
+/// last. Customer `j`'s `a`-th append is at position `j + a * gap`, with
+/// `gap` a ninetieth of the customers, so each customer's appends are in
+/// order, a tenth of the run apart, and only the first and last tenth or
+/// so (`measured` false) are a ramp where some sizes are missing.
+struct Steady {
+    appends: Vec<RawDocumentBuf>,
+    customer: Vec<usize>,
+    measured: Vec<bool>,
+}
+
+impl Steady {
+    fn of(mut rounds: Vec<Vec<RawDocumentBuf>>) -> anyhow::Result<Steady> {
+        // The planner's order of customers differs from round to round:
+        // by bucket, so `j` is one customer (one open bucket) in every round.
+        for round in &mut rounds {
+            let mut keyed = round
+                .drain(..)
+                .map(|d| Ok((stream_key(&d)?, d)))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            keyed.sort_by(|a, b| a.0.cmp(&b.0));
+            round.extend(keyed.into_iter().map(|(_, d)| d));
+        }
+        let customers = rounds.first().map_or(0, Vec::len);
+        let last = rounds.len().saturating_sub(1);
+        let gap = (customers / 90).max(1);
+        let mut slots: Vec<(usize, usize, RawDocumentBuf)> = rounds
+            .into_iter()
+            .enumerate()
+            .flat_map(|(a, round)| {
+                round
+                    .into_iter()
+                    .enumerate()
+                    .map(move |(j, d)| (j + a * gap, j, d))
+            })
+            .collect();
+        slots.sort_by_key(|&(position, j, _)| (position, j));
+        let full = last * gap..customers;
+        let mut steady = Steady {
+            appends: Vec::new(),
+            customer: Vec::new(),
+            measured: Vec::new(),
+        };
+        for (position, j, d) in slots {
+            steady.measured.push(full.contains(&position));
+            steady.customer.push(j);
+            steady.appends.push(d);
+        }
+        Ok(steady)
+    }
+}
+
+/// Sends `steady`'s appends in order, paced at `rate` (see
+/// [`paced_appends`]): each one's delay, and the seconds it all took.
+async fn send_paced(
+    store: &BucketStore,
+    steady: &Steady,
+    rate: f64,
+) -> anyhow::Result<(Vec<f64>, f64)> {
+    let total = steady.appends.len();
+    let started = tokio::time::Instant::now();
+    let due = |i: usize| started + std::time::Duration::from_secs_f64(i as f64 / rate);
+    let mut delays = Vec::with_capacity(total);
+    let mut sent = 0;
+    while sent < total {
+        tokio::time::sleep_until(due(sent)).await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let mut upto = ((elapsed * rate) as usize + 1).clamp(sent + 1, total);
+        // One statement per customer in a command, as the worker's.
+        let mut seen = std::collections::HashSet::new();
+        if let Some(repeat) = (sent..upto).find(|&i| !seen.insert(steady.customer[i])) {
+            upto = repeat;
+        }
+        let outcome = store
+            .apply_fills(steady.appends[sent..upto].to_vec())
+            .await?;
+        anyhow::ensure!(
+            outcome.errors.is_empty() && outcome.matched == (upto - sent) as u64,
+            "a paced append did not match: {} of {}",
+            outcome.matched,
+            upto - sent
+        );
+        let answered = tokio::time::Instant::now();
+        delays
+            .extend((sent..upto).map(|i| answered.saturating_duration_since(due(i)).as_secs_f64()));
+        sent = upto;
+    }
+    Ok((delays, started.elapsed().as_secs_f64()))
 }

@@ -35,6 +35,12 @@ pub(crate) struct CpuSnapshot {
     pub(crate) worker: Option<f64>,
     pub(crate) broker: Option<f64>,
     pub(crate) database: Option<f64>,
+    /// This process: the bench's own producer, sampler and clients.
+    pub(crate) bench: Option<f64>,
+    /// Every process of the machine, every core summed: what the three
+    /// and the bench leave to nothing else, and how near the cores are to
+    /// full.
+    pub(crate) machine: Option<f64>,
 }
 
 impl Cpu {
@@ -96,7 +102,32 @@ impl Cpu {
             worker: worker.and_then(|p| self.seconds(p)),
             broker: self.broker.and_then(|p| self.seconds(p)),
             database: self.database.and_then(|p| self.seconds(p)),
+            bench: self.seconds(std::process::id()),
+            machine: self.machine_busy_seconds(),
         }
+    }
+
+    /// Busy CPU-seconds of the whole machine since boot, every core
+    /// summed: the first line of `/proc/stat`, every field but idle and
+    /// iowait (and guest time, which user time already counts).
+    fn machine_busy_seconds(&self) -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let fields: Vec<f64> = stat
+            .lines()
+            .next()?
+            .strip_prefix("cpu ")?
+            .split_whitespace()
+            .map(|f| f.parse().ok())
+            .collect::<Option<_>>()?;
+        // user nice system idle iowait irq softirq steal
+        let busy: f64 = fields
+            .iter()
+            .take(8)
+            .enumerate()
+            .filter(|(i, _)| *i != 3 && *i != 4)
+            .map(|(_, v)| v)
+            .sum();
+        Some(busy / self.tick)
     }
 }
 
@@ -109,6 +140,8 @@ impl CpuSnapshot {
             worker: used(earlier.worker, self.worker),
             broker: used(earlier.broker, self.broker),
             database: used(earlier.database, self.database),
+            bench: used(earlier.bench, self.bench),
+            machine: used(earlier.machine, self.machine),
         }
     }
 

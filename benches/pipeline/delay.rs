@@ -14,7 +14,7 @@ use tradebucket::cli;
 use tradebucket::config::Settings;
 
 use crate::cpu::{Cpu, CpuSnapshot};
-use crate::scrape::{gauge, histogram, quantile, stage_breakdown};
+use crate::scrape::{counter, gauge, histogram, quantile, stage_breakdown, write_work};
 use crate::target::{committed_reached, end_offsets, kafka_consumer, stop, Target};
 use crate::{produce_options, Args};
 
@@ -79,14 +79,15 @@ pub(crate) async fn steady_delay(
         sampled_delays(&s, &t.topic, &store, span, run).await
     };
     let cpu = Cpu::of_stack();
-    let before = (cpu.snapshot(None), Instant::now());
+    let worker = Some(child.id());
+    let before = (cpu.snapshot(worker), Instant::now());
     let (produced, sampled) = tokio::join!(cli::produce(&s, &load, false), sampling);
     produced?;
     let sampled = sampled?;
-    let loaded = cpu.snapshot(None);
+    let loaded = cpu.snapshot(worker);
     let load_seconds = before.1.elapsed().as_secs_f64();
     let text = drained_metrics(&t, &metrics_url).await?;
-    let servers = server_load(&before, (loaded, load_seconds), cpu.snapshot(None), count);
+    let servers = server_load(&before, (loaded, load_seconds), cpu.snapshot(worker), count);
     stop(child)?;
     let audit = cli::audit(&s, None).await?;
     let expected = count + sampled.len() as u64;
@@ -108,7 +109,11 @@ pub(crate) async fn steady_delay(
 /// use), and the CPU per trade over the whole phase, drain included: the
 /// database's work per trade at this rate, beside its work per append in
 /// the append ceiling (`appends::append_ceiling`), says whether the
-/// database's capacity sets the knee.
+/// database's capacity sets the knee. Beside them, the cores the worker,
+/// this process (the load's producer and the sampler) and the whole
+/// machine used under the load: the append ceiling had the machine to
+/// itself; a steady phase shares it with the broker and the load's own
+/// producer.
 fn server_load(
     (start, started): &(CpuSnapshot, Instant),
     (loaded, load_seconds): (CpuSnapshot, f64),
@@ -124,6 +129,10 @@ fn server_load(
         "phase_seconds": phase_seconds,
         "database_cores_under_load": cores(load.database),
         "broker_cores_under_load": cores(load.broker),
+        "worker_cores_under_load": cores(load.worker),
+        "bench_cores_under_load": cores(load.bench),
+        "machine_cores_under_load": cores(load.machine),
+        "machine_cores": std::thread::available_parallelism().map_or(0, usize::from),
         "database_us_per_trade": per_trade(phase.database),
         "broker_us_per_trade": per_trade(phase.broker),
     })
@@ -149,18 +158,30 @@ async fn drained_metrics(t: &Target, metrics_url: &str) -> anyhow::Result<String
 }
 
 /// A steady phase's delay figures: the worker's histogram, the sampled
-/// delays, and the worst of each half of the samples in the order sent
-/// (whether the delay still grows at the end of the phase).
+/// delays (also in the order sent), and the worst of each third of the
+/// samples in that order: whether the delay still grows at the end of the
+/// phase. Thirds, not halves: above capacity the first part starts from an
+/// empty backlog and climbs for a `hold_max_age` and a write or two before
+/// the delay can reach its bound, so only the later two compare plateau
+/// with plateau (a 60 s phase's middle third starts at 20 s).
 fn phase_figures(rate: u64, count: u64, text: &str, mut sampled: Vec<f64>) -> serde_json::Value {
     let buckets = histogram(text, "tradebucket_end_to_end_delay_seconds");
-    let (early, late) = sampled.split_at(sampled.len() / 2);
-    let worst = |half: &[f64]| half.iter().copied().fold(0.0, f64::max);
-    let halves = json!({"first_half_max_seconds": worst(early),
-                        "second_half_max_seconds": worst(late)});
+    let worst = |part: &[f64]| part.iter().copied().fold(0.0, f64::max);
+    let third = sampled.len() / 3;
+    let thirds = json!({"first_third_max_seconds": worst(&sampled[..third]),
+                        "middle_third_max_seconds": worst(&sampled[third..2 * third]),
+                        "last_third_max_seconds": worst(&sampled[2 * third..])});
+    let in_order = json!(sampled);
     sampled.sort_by(f64::total_cmp);
     let mut figures = delay_figures(rate, count, &buckets, &sampled);
-    figures["sampled_halves"] = halves;
+    figures["sampled_thirds"] = thirds;
+    figures["sampled_in_order_seconds"] = in_order;
     figures["stages"] = stage_breakdown(text);
+    // Guard misses (each reloads its customer) and the requests by type:
+    // what splitting the fills (`mongodb.fill_concurrency`) cost or saved.
+    figures["conflicts"] = json!(counter(text, "tradebucket_bucket_conflicts_total"));
+    figures["heads_loaded"] = json!(counter(text, "tradebucket_bucket_heads_loaded_total"));
+    figures["write_work"] = write_work(text);
     figures
 }
 
@@ -261,7 +282,7 @@ pub(crate) async fn sampled_delays(
     while let Some(r) = waits.join_next().await {
         delays.push(r??);
     }
-    // In the order sent, so a phase's halves can be told apart.
+    // In the order sent, so a phase's thirds can be told apart.
     delays.sort_by_key(|&(n, _)| n);
     Ok(delays.into_iter().map(|(_, delay)| delay).collect())
 }

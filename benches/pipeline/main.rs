@@ -44,7 +44,7 @@ use serde_json::json;
 use tradebucket::bucket::store::BucketStore;
 use tradebucket::cli::{self, ProduceOptions};
 
-use appends::append_ceiling;
+use appends::{append_ceiling, paced_appends};
 use ceiling::{database_ceiling, index_keys, Heads};
 use cpu::{cpu_model, Cpu};
 use delay::delays;
@@ -172,6 +172,16 @@ async fn main() -> anyhow::Result<()> {
     let appends = append_ceiling(&target, args.customers).await?;
     let per_second = appends["appends_per_second"].as_f64().unwrap_or(0.0);
     eprintln!("bench: append ceiling {per_second:.0} appends/s");
+    // The database alone at 0.8 x its ceiling: what the server's own delay
+    // is at the steady capacity's target (customers past the ceiling's).
+    let paced = paced_appends(
+        &target,
+        args.customers,
+        0.8 * per_second,
+        args.latency_seconds,
+    )
+    .await?;
+    eprintln!("bench: appends paced at 0.8 x the ceiling: {paced}");
     let delays = delays(&args, &target, per_second).await?;
 
     let results = json!({
@@ -191,6 +201,7 @@ async fn main() -> anyhow::Result<()> {
         "tradebucket_first": first,
         "tradebucket_second": second,
         "append_ceiling": appends,
+        "append_paced": paced,
         "hold_max_age_seconds": settings.batch.hold_max_age.as_secs_f64(),
         "delays": delays,
         "reconcile": reconcile,

@@ -182,6 +182,9 @@ pub struct MongoSettings {
     pub journal: bool,
     /// Parallel newest-bucket loads for first-seen customers.
     pub load_concurrency: usize,
+    /// Fill (`update`) commands a round's appends are split into and sent
+    /// at once.
+    pub fill_concurrency: usize,
     /// Sharded mode: the unique indexes are scoped to the customer (they
     /// start with `customerId`, the shard key), every filter carries the
     /// customer so mongos targets its shard, and a trade id is unique per

@@ -159,6 +159,9 @@ impl Settings {
         if m.load_concurrency == 0 {
             return Err(invalid("mongodb.load_concurrency", "must be positive"));
         }
+        if m.fill_concurrency == 0 {
+            return Err(invalid("mongodb.fill_concurrency", "must be positive"));
+        }
         // Syntax and option values only: no DNS (SRV) lookup, no connection.
         // The driver's message may quote the URI: scrubbed.
         if let Err(e) = mongodb::options::ConnectionString::parse(m.uri.expose_secret()) {

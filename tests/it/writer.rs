@@ -268,11 +268,22 @@ fn bad_event(id: &str, offset: i64, topic: &str) -> (Trade, Source) {
 
 /// A fill command's reply gives only the number of guards that matched.
 /// When one customer's guard misses (another writer appended), only that
-/// customer is reloaded, not every customer of the command.
+/// customer is reloaded, not every customer of the command. The round's
+/// fills go in one command, or split over three sent at once
+/// (`mongodb.fill_concurrency`), whose matched counts add up.
 #[tokio::test]
 async fn a_missed_guard_reloads_only_its_customer() {
+    for fill_concurrency in ["1", "3"] {
+        missed_guard(fill_concurrency).await;
+    }
+}
+
+async fn missed_guard(fill_concurrency: &str) {
     let env = TestEnv::new("writer-shortfall", 1).await;
-    let store = env.store().await;
+    let split = [("TRADEBUCKET__MONGODB__FILL_CONCURRENCY", fill_concurrency)];
+    let store = BucketStore::connect(&env.settings(&split))
+        .await
+        .expect("MongoDB client");
     store.init().await.expect("indexes");
     let topic = env.topic.clone();
     let mut ours = BucketWriter::new(store.clone(), CAPACITY, 10_000, Metrics::new());

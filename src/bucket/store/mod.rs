@@ -47,16 +47,17 @@ pub use error::{
 };
 pub use heads::PROBE_CUSTOMERS;
 pub use layout::{collection_conflict, layout_conflict, ShardState, SHARD_KEY_FIELD};
-pub use write::{chunk_by_size, update_command};
+pub use write::{chunk_by_size, fill_commands, update_command};
 use write::{insert_failure, parse_write_reply, write_concern, write_concern_doc};
 
 use std::collections::HashSet;
 use std::future::IntoFuture;
+use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use mongodb::bson::{doc, Document, RawDocumentBuf};
 use mongodb::event::command::CommandEvent;
 use mongodb::event::EventHandler;
@@ -108,6 +109,8 @@ pub struct BucketStore {
     /// `write_concern` as the raw `update` command spells it, encoded once.
     write_concern_doc: RawDocumentBuf,
     load_concurrency: usize,
+    /// `mongodb.fill_concurrency`: fill commands in flight at once.
+    fill_concurrency: usize,
     /// Whether `load_heads` probes first (see `heads`), shared by clones.
     probe_first: Arc<AtomicBool>,
     /// `timeouts.mongodb_operation`: every operation's bound (see
@@ -204,6 +207,7 @@ impl BucketStore {
             write_concern_doc: write_concern_doc(&write_concern),
             write_concern,
             load_concurrency: m.load_concurrency,
+            fill_concurrency: m.fill_concurrency,
             probe_first: Arc::new(AtomicBool::new(true)),
             operation_limit: t.mongodb_operation,
             ping_limit: t.mongodb_ping,
@@ -323,29 +327,52 @@ impl BucketStore {
         bounded("find", self.operation_limit, find).await
     }
 
-    /// Runs fill statements (unordered: each is its own customer's).
+    /// Runs fill statements (unordered: each is its own customer's), in up
+    /// to `fill_concurrency` `update` commands at once: one command's
+    /// statements are applied one after another on one server thread, so a
+    /// steady load, where every trade is such an append, would otherwise be
+    /// bound to one core of the server (docs/design.md, "Fills"). Every
+    /// command is waited for, also after one fails: a command given up here
+    /// could still be applied after the caller has reloaded the heads it
+    /// changes.
     pub async fn apply_fills(
         &self,
         statements: Vec<RawDocumentBuf>,
     ) -> Result<FillOutcome, StoreError> {
+        let commands = fill_commands(&statements, self.fill_concurrency);
+        let replies: Vec<_> = futures::stream::iter(commands)
+            .map(|range| self.fill_command(&statements, range))
+            .buffered(self.fill_concurrency)
+            .collect()
+            .await;
         let mut outcome = FillOutcome::default();
-        for chunk in chunk_by_size(&statements) {
-            let (base, len) = (chunk.start, chunk.len());
-            let command = update_command(
-                self.coll.name(),
-                &statements[chunk],
-                &self.write_concern_doc,
-            );
-            let command = self.db.run_raw_command(command);
-            let reply = bounded("update", self.operation_limit, command).await?;
-            let part = parse_write_reply(&reply, len)?;
-            outcome.matched += part.0;
-            outcome.errors.extend(part.1.into_iter().map(|mut e| {
+        for reply in replies {
+            let (base, (matched, errors)) = reply?;
+            outcome.matched += matched;
+            outcome.errors.extend(errors.into_iter().map(|mut e| {
                 e.index += base;
                 e
             }));
         }
         Ok(outcome)
+    }
+
+    /// One `update` command of `statements[range]`: its first statement's
+    /// index and what the reply says of them.
+    async fn fill_command(
+        &self,
+        statements: &[RawDocumentBuf],
+        range: Range<usize>,
+    ) -> Result<(usize, (u64, Vec<StatementError>)), StoreError> {
+        let (base, len) = (range.start, range.len());
+        let command = update_command(
+            self.coll.name(),
+            &statements[range],
+            &self.write_concern_doc,
+        );
+        let command = self.db.run_raw_command(command);
+        let reply = bounded("update", self.operation_limit, command).await?;
+        Ok((base, parse_write_reply(&reply, len)?))
     }
 
     /// Inserts new buckets. `ordered` stops at the first refusal, which is

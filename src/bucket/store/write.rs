@@ -173,6 +173,23 @@ pub fn chunk_by_size(statements: &[RawDocumentBuf]) -> Vec<Range<usize>> {
     chunks
 }
 
+/// The commands a round's fill statements go out in, so that up to
+/// `streams` of them can run at once: the statements split into `streams`
+/// runs of about equal count (never an empty one), each run then cut by
+/// size ([`chunk_by_size`]). Each statement is one customer's, so any split
+/// keeps every customer's writes in order.
+pub fn fill_commands(statements: &[RawDocumentBuf], streams: usize) -> Vec<Range<usize>> {
+    let per_run = statements.len().div_ceil(streams.max(1)).max(1);
+    (0..statements.len())
+        .step_by(per_run)
+        .flat_map(|start| {
+            let end = (start + per_run).min(statements.len());
+            let run = chunk_by_size(&statements[start..end]);
+            run.into_iter().map(move |r| start + r.start..start + r.end)
+        })
+        .collect()
+}
+
 /// The raw `update` command of `statements`, unordered: `{update:
 /// <collection>, updates: [..], ordered: false, writeConcern: {..}}`. Each
 /// statement's bytes are copied once, into one buffer of the command's
@@ -265,6 +282,23 @@ mod tests {
         assert!(parse_write_reply(&too_many, 3).is_err());
         let no_n = doc! {"ok": 1.0};
         assert!(parse_write_reply(&no_n, 3).is_err());
+    }
+
+    #[test]
+    fn fill_commands_split_into_runs_of_about_equal_count_then_by_size() {
+        let small: Vec<RawDocumentBuf> = (0..7).map(|i| rawdoc! {"i": i}).collect();
+        assert_eq!(fill_commands(&small, 1), vec![0..7]);
+        assert_eq!(fill_commands(&small, 2), vec![0..4, 4..7]);
+        assert_eq!(fill_commands(&small, 3), vec![0..3, 3..6, 6..7]);
+        // More streams than statements: one statement each, none empty.
+        assert_eq!(fill_commands(&small[..2], 4), vec![0..1, 1..2]);
+        assert!(fill_commands(&[], 2).is_empty());
+        let big = "x".repeat(3 * 1024 * 1024);
+        let large: Vec<RawDocumentBuf> = (0..5)
+            .map(|i| rawdoc! {"i": i, "pad": big.as_str()})
+            .collect();
+        // Each run is cut by size on its own: 0..3 is 0..2 and 2..3.
+        assert_eq!(fill_commands(&large, 2), vec![0..2, 2..3, 3..5]);
     }
 
     #[test]
