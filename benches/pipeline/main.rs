@@ -174,14 +174,14 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("bench: append ceiling {per_second:.0} appends/s");
     // The database alone at 0.8 x its ceiling: what the server's own delay
     // is at the steady capacity's target (customers past the ceiling's).
-    let paced = paced_appends(
+    let append_paced = paced_appends(
         &target,
         args.customers,
         0.8 * per_second,
         args.latency_seconds,
     )
     .await?;
-    eprintln!("bench: appends paced at 0.8 x the ceiling: {paced}");
+    eprintln!("bench: appends paced at 0.8 x the ceiling: {append_paced}");
     let delays = delays(&args, &target, per_second).await?;
 
     let results = json!({
@@ -201,7 +201,7 @@ async fn main() -> anyhow::Result<()> {
         "tradebucket_first": first,
         "tradebucket_second": second,
         "append_ceiling": appends,
-        "append_paced": paced,
+        "append_paced": append_paced,
         "hold_max_age_seconds": settings.batch.hold_max_age.as_secs_f64(),
         "delays": delays,
         "reconcile": reconcile,

@@ -301,6 +301,33 @@ mod tests {
         assert_eq!(fill_commands(&large, 2), vec![0..2, 2..3, 3..5]);
     }
 
+    proptest::proptest! {
+        /// Whatever the statements' sizes and the streams asked: the
+        /// commands cover every statement once, in order, none empty; at
+        /// least as many as the streams allow (one statement each at
+        /// most), and each within the size budget unless it is one
+        /// statement alone.
+        #[test]
+        fn fill_commands_cover_every_statement_once_in_order(
+            sizes in proptest::collection::vec(0usize..3 * 1024 * 1024, 0..24),
+            streams in 1usize..6,
+        ) {
+            let statements: Vec<RawDocumentBuf> =
+                sizes.iter().map(|&n| rawdoc! {"pad": "x".repeat(n)}).collect();
+            let commands = fill_commands(&statements, streams);
+            let mut next = 0;
+            for c in &commands {
+                proptest::prop_assert_eq!(c.start, next);
+                proptest::prop_assert!(!c.is_empty());
+                let bytes: usize = statements[c.clone()].iter().map(|s| s.as_bytes().len()).sum();
+                proptest::prop_assert!(c.len() == 1 || bytes <= MAX_STATEMENT_BYTES);
+                next = c.end;
+            }
+            proptest::prop_assert_eq!(next, statements.len());
+            proptest::prop_assert!(commands.len() >= streams.min(statements.len()));
+        }
+    }
+
     #[test]
     fn chunks_respect_the_size_budget_and_keep_order() {
         let big = "x".repeat(3 * 1024 * 1024);
