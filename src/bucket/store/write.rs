@@ -174,20 +174,23 @@ pub fn chunk_by_size(statements: &[RawDocumentBuf]) -> Vec<Range<usize>> {
 }
 
 /// The commands a round's fill statements go out in, so that up to
-/// `streams` of them can run at once: the statements split into `streams`
-/// runs of about equal count (never an empty one), each run then cut by
-/// size ([`chunk_by_size`]). Each statement is one customer's, so any split
-/// keeps every customer's writes in order.
+/// `streams` of them can run at once: the statements split into
+/// `streams` runs (fewer only if there are fewer statements) whose counts
+/// differ by one at most, each run then cut by size ([`chunk_by_size`]).
+/// Each statement is one customer's, so any split keeps every customer's
+/// writes in order.
 pub fn fill_commands(statements: &[RawDocumentBuf], streams: usize) -> Vec<Range<usize>> {
-    let per_run = statements.len().div_ceil(streams.max(1)).max(1);
-    (0..statements.len())
-        .step_by(per_run)
-        .flat_map(|start| {
-            let end = (start + per_run).min(statements.len());
-            let run = chunk_by_size(&statements[start..end]);
-            run.into_iter().map(move |r| start + r.start..start + r.end)
-        })
-        .collect()
+    let runs = streams.clamp(1, statements.len().max(1));
+    let (base, longer) = (statements.len() / runs, statements.len() % runs);
+    let mut commands = Vec::new();
+    let mut start = 0;
+    for run in 0..runs {
+        let end = start + base + usize::from(run < longer);
+        let cut = chunk_by_size(&statements[start..end]);
+        commands.extend(cut.into_iter().map(|r| start + r.start..start + r.end));
+        start = end;
+    }
+    commands
 }
 
 /// The raw `update` command of `statements`, unordered: `{update:
@@ -289,7 +292,7 @@ mod tests {
         let small: Vec<RawDocumentBuf> = (0..7).map(|i| rawdoc! {"i": i}).collect();
         assert_eq!(fill_commands(&small, 1), vec![0..7]);
         assert_eq!(fill_commands(&small, 2), vec![0..4, 4..7]);
-        assert_eq!(fill_commands(&small, 3), vec![0..3, 3..6, 6..7]);
+        assert_eq!(fill_commands(&small, 3), vec![0..3, 3..5, 5..7]);
         // More streams than statements: one statement each, none empty.
         assert_eq!(fill_commands(&small[..2], 4), vec![0..1, 1..2]);
         assert!(fill_commands(&[], 2).is_empty());
