@@ -11,9 +11,11 @@ use serde_json::json;
 
 use tradebucket::bucket::plan;
 use tradebucket::bucket::store::BucketStore;
+use tradebucket::config::Settings;
 
 use crate::ceiling::{final_work, insert_all, side_collection, Heads};
 use crate::cpu::Cpu;
+use crate::delay::sampled_figures;
 use crate::target::{Msg, Target};
 
 /// Concurrency levels tried; the ceiling is the best. Each level has a
@@ -38,12 +40,7 @@ pub(crate) async fn append_ceiling(
     target: &Target,
     customers: u64,
 ) -> anyhow::Result<serde_json::Value> {
-    // The levels set the concurrency: each command goes as one, never
-    // split by the product's `mongodb.fill_concurrency`.
-    let one = target
-        .clone()
-        .with_var("TRADEBUCKET__MONGODB__FILL_CONCURRENCY", "1");
-    let (s, store) = side_collection(&one, "append_ceiling").await?;
+    let (s, store) = append_collection(target, "append_ceiling").await?;
     let limits = plan::Limits::with_capacity(s.buckets.capacity);
     let appends_per_bucket = s.buckets.capacity as usize - 1;
     let block = customers / LEVELS.len() as u64;
@@ -89,6 +86,17 @@ pub(crate) async fn append_ceiling(
     Ok(json!({"customers": customers, "per_command": PER_COMMAND,
               "appends_per_bucket": appends_per_bucket,
               "appends_per_second": best, "levels": levels}))
+}
+
+/// A collection of its own for appends the caller paces: each command
+/// goes as one, never split by the product's `mongodb.fill_concurrency`
+/// (a ceiling's command can hold two appends to one bucket at a round's
+/// edge, which split commands would race).
+async fn append_collection(target: &Target, name: &str) -> anyhow::Result<(Settings, BucketStore)> {
+    let whole = target
+        .clone()
+        .with_var("TRADEBUCKET__MONGODB__FILL_CONCURRENCY", "1");
+    side_collection(&whole, name).await
 }
 
 /// Opens one bucket for each of `customers` (inserted, not timed) and
@@ -215,10 +223,7 @@ pub(crate) async fn paced_appends(
     rate: f64,
     seconds: u64,
 ) -> anyhow::Result<serde_json::Value> {
-    let one = target
-        .clone()
-        .with_var("TRADEBUCKET__MONGODB__FILL_CONCURRENCY", "1");
-    let (s, store) = side_collection(&one, "append_paced").await?;
+    let (s, store) = append_collection(target, "append_paced").await?;
     let limits = plan::Limits::with_capacity(s.buckets.capacity);
     let appends_per_bucket = s.buckets.capacity as usize - 1;
     let count = (rate * seconds as f64) as usize;
@@ -246,14 +251,15 @@ pub(crate) async fn paced_appends(
         .collect();
     measured.sort_by(f64::total_cmp);
     anyhow::ensure!(!measured.is_empty(), "no paced appends measured");
-    let at = |q: f64| measured[((measured.len() - 1) as f64 * q).round() as usize];
-    Ok(
-        json!({"rate": rate, "appends": delays.len(), "measured": measured.len(),
-              "seconds": seconds,
-              "p50_seconds": at(0.5), "p99_seconds": at(0.99), "max_seconds": at(1.0),
-              "database_cores": used.database.map(|u| u / seconds),
-              "machine_cores": used.machine.map(|u| u / seconds)}),
-    )
+    // The same quantiles as the steady phases' sampled trades.
+    let mut figures = sampled_figures(&measured);
+    figures["rate"] = json!(rate);
+    figures["appends"] = json!(delays.len());
+    figures["measured"] = json!(measured.len());
+    figures["seconds"] = json!(seconds);
+    figures["database_cores"] = json!(used.database.map(|u| u / seconds));
+    figures["machine_cores"] = json!(used.machine.map(|u| u / seconds));
+    Ok(figures)
 }
 
 /// Bucket lives laid out in time as a steady load appends to them: at

@@ -211,12 +211,9 @@ pub(crate) fn delay_figures(
     sampled: &[f64],
 ) -> serde_json::Value {
     let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
-    let rank = |q: f64| sampled.get(((sampled.len() as f64 * q).ceil() as usize).saturating_sub(1));
     json!({
         "rate_events_per_second": rate,
-        "sampled": {"trades": sampled.len(), "p50_seconds": rank(0.50),
-                    "p90_seconds": rank(0.90), "p99_seconds": rank(0.99),
-                    "max_seconds": sampled.last()},
+        "sampled": sampled_figures(sampled),
         "events": count,
         "observed": total,
         "p50_seconds": quantile(buckets, 0.50),
@@ -224,6 +221,15 @@ pub(crate) fn delay_figures(
         "p99_seconds": quantile(buckets, 0.99),
         "buckets": buckets.iter().map(|(le, c)| json!([le, c])).collect::<Vec<_>>(),
     })
+}
+
+/// The count, nearest-rank p50, p90 and p99, and the max of `sorted`
+/// delays (`null` where there are none).
+pub(crate) fn sampled_figures(sorted: &[f64]) -> serde_json::Value {
+    let rank = |q: f64| sorted.get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1));
+    json!({"trades": sorted.len(), "p50_seconds": rank(0.50),
+           "p90_seconds": rank(0.90), "p99_seconds": rank(0.99),
+           "max_seconds": sorted.last()})
 }
 
 /// One trade every this often, on top of the generator's steady load, is

@@ -331,10 +331,10 @@ impl BucketStore {
     /// to `fill_concurrency` `update` commands at once: one command's
     /// statements are applied one after another on one server thread, so a
     /// steady load, where every trade is such an append, would otherwise be
-    /// bound to one core of the server (docs/design.md, "Fills"). Every
-    /// command is waited for, also after one fails: a command given up here
-    /// could still be applied after the caller has reloaded the heads it
-    /// changes.
+    /// bound to one core of the server (docs/design.md, "Batches, memory and
+    /// speed"). Every command is waited for, also after one fails: a command
+    /// given up here could still be applied after the caller has reloaded
+    /// the heads it changes.
     pub async fn apply_fills(
         &self,
         statements: Vec<RawDocumentBuf>,
