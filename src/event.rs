@@ -389,8 +389,19 @@ pub fn decode_as(
 ) -> Result<Trade, Reject> {
     let text = payload_text(payload, max_bytes)?;
     let mut fields = TradeFields::default();
-    for (name, raw) in parse_object(text)? {
-        fields.read(&name, raw.get())?;
+    // The whole object is read before any field, on either path, so a
+    // syntax error or a duplicate name wins over a bad field as before.
+    match flat::members(text) {
+        Some(members) => {
+            for (name, raw) in members.iter() {
+                fields.read(name, raw)?;
+            }
+        }
+        None => {
+            for (name, raw) in parse_object(text)? {
+                fields.read(&name, raw.get())?;
+            }
+        }
     }
     fields.into_trade(identity)
 }
@@ -398,6 +409,7 @@ pub fn decode_as(
 pub mod avro;
 mod dates;
 mod decode;
+mod flat;
 pub mod mapping;
 mod pointer;
 pub mod protobuf;

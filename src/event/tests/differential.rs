@@ -331,6 +331,21 @@ fn with_duplicate(fields: Vec<(String, String)>) -> impl Strategy<Value = Vec<(S
         })
 }
 
+/// `fields` with every top-level string (names and values) written as
+/// serializers write them, escaping only what JSON requires: the payloads
+/// upstreams send, which the one-pass reader (`event::flat`) takes.
+/// Numbers, literals and nested values keep their spelling.
+fn plain(fields: Vec<(String, String)>) -> Vec<(String, String)> {
+    let plain_text = |text: String| match serde_json::from_str::<String>(&text) {
+        Ok(s) => serde_json::to_string(&s).unwrap_or(text),
+        Err(_) => text,
+    };
+    fields
+        .into_iter()
+        .map(|(name, value)| (plain_text(name), plain_text(value)))
+        .collect()
+}
+
 /// The fields written as one object, with whitespace in the places JSON
 /// allows it.
 fn object_text(fields: &[(String, String)], spacing: u8) -> String {
@@ -441,6 +456,22 @@ proptest! {
         let payload = damaged(text, &damage);
         let identity = if replay { Identity::ReplayOf(&source) } else { Identity::Read(&source) };
         same_outcome(Some(&payload), identity, max)?;
+    }
+
+    /// The same on payloads as serializers write them (strings escaped
+    /// only where JSON requires), most of which the one-pass reader takes.
+    #[test]
+    fn plain_payloads_decode_as_before(
+        fields in fields().prop_flat_map(|f| prop_oneof![
+            6 => Just(f.clone()),
+            1 => with_duplicate(f),
+        ]).prop_map(plain),
+        spacing in 0u8..3,
+        (source, replay) in source(),
+    ) {
+        let payload = object_text(&fields, spacing);
+        let identity = if replay { Identity::ReplayOf(&source) } else { Identity::Read(&source) };
+        same_outcome(Some(payload.as_bytes()), identity, 65536)?;
     }
 
     /// Any bytes at all (mostly not JSON): the same outcome too.
@@ -569,4 +600,123 @@ proptest! {
         let old = oracle::exact_decimal(&text, "price");
         prop_assert_eq!(new.map(|d| d.bytes()), old.map(|d| d.bytes()));
     }
+}
+
+/// The pairs serde_json's general reader gives for `text`, as plain text.
+fn general_members(text: &str) -> Option<Vec<(String, String)>> {
+    let members = crate::event::pointer::object(text).ok()?;
+    Some(
+        members
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.get().to_string()))
+            .collect(),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4000))]
+
+    /// Wherever the one-pass reader reads an object, serde_json's general
+    /// reader reads the same members (names and raw values, in order), so
+    /// the fast path can only ever be a shortcut; `decode_matches_...`
+    /// above holds the whole decode to the oracle through either path.
+    #[test]
+    fn the_flat_reader_reads_what_serde_json_reads(
+        fields in fields().prop_flat_map(|f| prop_oneof![
+            4 => Just(f.clone()),
+            1 => with_duplicate(f),
+        ]),
+        spacing in 0u8..3,
+        damage in damage(),
+        plainly in any::<bool>(),
+    ) {
+        let fields = if plainly { plain(fields) } else { fields };
+        let payload = damaged(object_text(&fields, spacing), &damage);
+        if let Ok(text) = std::str::from_utf8(&payload) {
+            if let Some(flat) = crate::event::flat::members(text) {
+                let fast: Vec<(String, String)> =
+                    flat.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
+                prop_assert_eq!(Some(fast), general_members(text), "{}", text);
+            }
+        }
+    }
+
+    /// Any text at all: the same.
+    #[test]
+    fn the_flat_reader_agrees_on_arbitrary_text(text in "[ {}\\[\\]\":,a-c0-9.eE+\\-tfrulsn\\\\\t\n]{0,40}") {
+        if let Some(flat) = crate::event::flat::members(&text) {
+            let fast: Vec<(String, String)> =
+                flat.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
+            prop_assert_eq!(Some(fast), general_members(&text), "{}", text);
+        }
+    }
+}
+
+/// The fast path is the common one: the generator's undamaged payloads
+/// without escapes or nested extras are read by it, and what it declines
+/// (escapes, nesting, duplicates, more than its members) is declined.
+#[test]
+fn the_flat_reader_takes_plain_trades_and_declines_the_rest() {
+    use crate::event::flat::{members, MAX_MEMBERS};
+    let plain = r#" {"tradeId":"G1-4", "customerId":1942,"type":"buy","ticker":"GOOG","qty":892,"price":"497.90","currency":null,"date":1700000000012,"ok":true,"no":false,"n":-1.5e3}
+"#;
+    let read: Vec<(&str, &str)> = members(plain).expect("plain").iter().collect();
+    assert_eq!(read.len(), 11);
+    assert_eq!(read[0], ("tradeId", "\"G1-4\""));
+    assert_eq!(read[6], ("currency", "null"));
+    assert_eq!(read[10], ("n", "-1.5e3"));
+    assert_eq!(members("{}").map(|m| m.iter().count()), Some(0));
+    let many: Vec<String> = (0..=MAX_MEMBERS).map(|i| format!("\"f{i}\":{i}")).collect();
+    for declined in [
+        r#"{"a":"x\"y"}"#,
+        r#"{"a\u0041":1}"#,
+        "{\"a\":\"\u{1}\"}",
+        r#"{"a":{"b":1}}"#,
+        r#"{"a":[1]}"#,
+        r#"{"a":1,"a":2}"#,
+        r#"{"a":01}"#,
+        r#"{"a":1.}"#,
+        r#"{"a":+1}"#,
+        r#"{"a":nul}"#,
+        r#"{"a":truex}"#,
+        r#"{"a":1,}"#,
+        r#"{"a":1} x"#,
+        r#"{"a" 1}"#,
+        "\u{feff}{}",
+        &format!("{{{}}}", many.join(",")),
+    ] {
+        assert!(members(declined).is_none(), "{declined}");
+    }
+}
+
+/// The flat reader's tests are not vacuous: the generator's payloads take
+/// both paths, and their plain forms mostly the one-pass reader.
+#[test]
+fn the_payloads_generated_take_both_paths() {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = (
+        fields().prop_flat_map(|f| prop_oneof![4 => Just(f.clone()), 1 => with_duplicate(f)]),
+        0u8..3,
+        damage(),
+    );
+    let (mut flat, mut general, mut plain_flat) = (0, 0, 0);
+    for _ in 0..2000 {
+        let (fields, spacing, damage) = strategy.new_tree(&mut runner).unwrap().current();
+        let plain_text = object_text(&plain(fields.clone()), spacing);
+        plain_flat += usize::from(crate::event::flat::members(&plain_text).is_some());
+        let payload = damaged(object_text(&fields, spacing), &damage);
+        let text = std::str::from_utf8(&payload).unwrap_or("");
+        match crate::event::flat::members(text) {
+            Some(_) => flat += 1,
+            None => general += 1,
+        }
+    }
+    // The general payloads mostly decline (escapes everywhere); their
+    // plain forms are mostly taken.
+    assert!(
+        flat >= 20 && general >= 1000,
+        "flat {flat}, general {general}"
+    );
+    assert!(plain_flat >= 1000, "plain payloads read flat: {plain_flat}");
 }
