@@ -160,12 +160,7 @@ async fn main() -> anyhow::Result<()> {
     let (ceilings, heads) = ceilings(&args, &target).await?;
     let rest = servers_at_rest().await;
     let mut samples = Vec::new();
-    let (first, second) = worker_runs(&args, &target, &mut samples, &heads).await?;
-    let paced = plain_consumer(&args, &target, &Cpu::of_stack(), first.events_per_second)?;
-    eprintln!(
-        "bench: plain consumer at the worker's pace, CPU-s per million {}",
-        paced["cpu_per_million"]
-    );
+    let (first, paced, second) = worker_runs(&args, &target, &mut samples, &heads).await?;
     let (second, second_ceiling) = second.unzip();
     let (audit, reconcile) = check_runs(&args, &target, &ceilings, &first, &second).await?;
     let unkeyed = unkeyed_set(&args, &run_id).await?;
@@ -219,7 +214,7 @@ async fn main() -> anyhow::Result<()> {
 /// phase's events it is part of every per-event figure, the more the
 /// longer the phase. report.py shows what it adds to the worker's and
 /// the full-speed read's broker figures; the broker target compares the
-/// worker with the plain consumer at its pace instead (step 5b), as this
+/// worker with the plain consumer at its pace instead (step 5a), as this
 /// rate varies too much between windows (0.017 to 0.031 cores) to be
 /// subtracted.
 async fn servers_at_rest() -> serde_json::Value {
@@ -352,7 +347,7 @@ async fn ceilings(args: &Args, target: &Target) -> anyhow::Result<(serde_json::V
 /// its process (it reads its own before exiting). The servers' CPU over
 /// its run is measured beside it.
 ///
-/// At `rate` > 0 it reads no faster than that (step 5b, at the worker's
+/// At `rate` > 0 it reads no faster than that (step 5a, at the worker's
 /// rate): a broker spends CPU by the second whoever reads (a KRaft node's
 /// quorum, metadata log and timers: 0.02 to 0.03 cores with no client at
 /// all), which over the worker's tens of seconds is as large as what the
@@ -431,22 +426,37 @@ fn plain_consumer_child(args: &Args, topic: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Step 5, tradebucket: the first set, then (same group, same collection) a
-/// second one unless `--no-second-set`.
+/// What `worker_runs` measures: the first set, the plain consumer at its
+/// pace, and the second set with its database ceiling.
+type WorkerRuns = (
+    WorkerRun,
+    serde_json::Value,
+    Option<(WorkerRun, serde_json::Value)>,
+);
+
+/// Step 5, tradebucket: the first set; step 5a, the plain consumer at its
+/// pace, at once (the broker then in the state the worker left it: the
+/// same topic, a minute older, nothing produced since); then (same group,
+/// same collection) a second set unless `--no-second-set`.
 async fn worker_runs(
     args: &Args,
     target: &Target,
     samples: &mut Vec<Sample>,
     heads: &Heads,
-) -> anyhow::Result<(WorkerRun, Option<(WorkerRun, serde_json::Value)>)> {
+) -> anyhow::Result<WorkerRuns> {
     let profile = args.profile.then(|| args.out.join("perf.worker"));
     let first = run_worker(target, args.events, args.events, "first", samples, profile).await?;
     eprintln!(
         "bench: tradebucket {:.0} events/s, peak RSS {:.1} MiB, CPU-s per million {}",
         first.events_per_second, first.peak_rss_mib, first.cpu_per_million
     );
+    let paced = plain_consumer(args, target, &Cpu::of_stack(), first.events_per_second)?;
+    eprintln!(
+        "bench: plain consumer at the worker's pace, CPU-s per million {}",
+        paced["cpu_per_million"]
+    );
     if args.no_second_set {
-        return Ok((first, None));
+        return Ok((first, paced, None));
     }
     let more = produce_options(args, args.events, args.events, 0, &target.topic);
     let ends = end_offsets(&target.settings(), &target.topic)?;
@@ -470,7 +480,7 @@ async fn worker_runs(
         "bench: second set {:.0} events/s, peak RSS {:.1} MiB, CPU-s per million {}",
         run.events_per_second, run.peak_rss_mib, run.cpu_per_million
     );
-    Ok((first, Some((run, ceiling))))
+    Ok((first, paced, Some((run, ceiling))))
 }
 
 /// The database ceiling for the second set: the least a worker restarted

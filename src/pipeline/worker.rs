@@ -345,9 +345,8 @@ impl<I: Intake, B: BucketSink, D: DeadLetterSink> Worker<I, B, D> {
     fn finish(&mut self, stage: Stage<B, D>, done: Done) {
         self.batches.stage_back(stage);
         self.observe_stage(DelayStage::Writing, done.started.elapsed());
-        for r in &done.records {
-            self.tracker.handled(&r.tp, r.offset);
-        }
+        self.tracker
+            .handled_all(done.records.iter().map(|r| (&r.tp, r.offset)));
         self.commit(Commit::Async);
         self.observe(&done);
     }
