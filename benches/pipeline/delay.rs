@@ -71,6 +71,9 @@ pub(crate) async fn steady_delay(
     // Start the load once partitions are assigned, so start-up is not
     // counted as delay.
     wait_assigned(&metrics_url, args.partitions).await?;
+    let warm = warm_up(&s, &t.topic, args.customers, run)?;
+    // What the warm-up made the worker observe is taken off the phase's.
+    let baseline = drained_metrics(&t, &metrics_url).await?;
     let count = rate * args.latency_seconds;
     let load = produce_options(args, 0, count, rate, &t.topic);
     let sampling = async {
@@ -86,11 +89,11 @@ pub(crate) async fn steady_delay(
     let sampled = sampled?;
     let loaded = cpu.snapshot(worker);
     let load_seconds = before.1.elapsed().as_secs_f64();
-    let text = drained_metrics(&t, &metrics_url).await?;
+    let text = since(&drained_metrics(&t, &metrics_url).await?, &baseline);
     let servers = server_load(&before, (loaded, load_seconds), cpu.snapshot(worker), count);
     stop(child)?;
     let audit = cli::audit(&s, None).await?;
-    let expected = count + sampled.len() as u64;
+    let expected = warm + count + sampled.len() as u64;
     anyhow::ensure!(
         audit.violations.is_empty() && audit.trades == expected,
         "steady load at {rate}/s: {} trades stored of {expected}, violations {:?}",
@@ -102,6 +105,90 @@ pub(crate) async fn steady_delay(
     figures["stored_trades"] = json!(audit.trades);
     figures["expected_trades"] = json!(expected);
     Ok(figures)
+}
+
+/// Before a steady phase's load: customer `c` gets `c % capacity + 1`
+/// trades (dated before the load's), which the worker stores untimed.
+/// Returns how many. A long steady load over many customers leaves their
+/// open buckets at every size, as many at each, and the worker with every
+/// customer's newest bucket in its cache; a phase started on an empty
+/// collection instead opens every customer's bucket within its first
+/// seconds, so all of them fill in step and the phase's middle appends
+/// only to nearly full buckets, which cost this server the most (session
+/// 27: 298 to 414 µs from 2 to 9 trades). The paced appends
+/// (`appends::paced_appends`) stagger their customers for the same
+/// reason. docs/benchmarks.md, "Session 31".
+fn warm_up(s: &Settings, topic: &str, customers: u64, run: usize) -> anyhow::Result<u64> {
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", &s.kafka.brokers)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "20")
+        .create()?;
+    let capacity = u64::from(s.buckets.capacity);
+    let mut sent = 0u64;
+    for customer in 0..customers {
+        for nth in 0..=customer % capacity {
+            let id = format!("W-{run}-{customer}-{nth}");
+            // Milliseconds apart, before the load's first (1.7e12).
+            let date = 1_699_000_000_000 + 3 * sent;
+            let payload = testkit::event::trade(id)
+                .customer(customer)
+                .date(date)
+                .payload();
+            let key = customer.to_string();
+            let mut record = BaseRecord::to(topic).key(&key).payload(&payload);
+            while let Err((e, back)) = producer.send(record) {
+                use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+                anyhow::ensure!(
+                    matches!(
+                        e,
+                        KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull)
+                    ),
+                    "warm-up send: {e}"
+                );
+                producer.poll(Duration::from_millis(10));
+                record = back;
+            }
+            sent += 1;
+        }
+    }
+    // A send that failed is a trade short in the phase's audit.
+    producer.flush(Duration::from_secs(60))?;
+    Ok(sent)
+}
+
+/// `text` with `baseline`'s counts taken off: every counter and histogram
+/// series (`_total`, `_bucket`, `_sum`, `_count`) less its value there;
+/// gauges and series new since are as they are.
+pub(crate) fn since(text: &str, baseline: &str) -> String {
+    let cumulative = |series: &str| {
+        let name = series.split('{').next().unwrap_or(series);
+        ["_total", "_bucket", "_sum", "_count"]
+            .iter()
+            .any(|s| name.ends_with(s))
+    };
+    let before: std::collections::HashMap<&str, f64> = baseline
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series, value.parse().ok()?))
+        })
+        .collect();
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let less = line
+            .rsplit_once(' ')
+            .filter(|(series, _)| !line.starts_with('#') && cumulative(series))
+            .and_then(|(series, value)| {
+                let value: f64 = value.parse().ok()?;
+                Some(format!("{series} {}", value - before.get(series)?))
+            });
+        out.push_str(less.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
 }
 
 /// What the servers did in a steady phase: the cores each used while the
