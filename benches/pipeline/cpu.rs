@@ -34,6 +34,9 @@ pub(crate) struct Cpu {
 pub(crate) struct CpuSnapshot {
     pub(crate) worker: Option<f64>,
     pub(crate) broker: Option<f64>,
+    /// The broker's JIT compiler threads ([`Cpu::jit_seconds`]), counted in
+    /// `broker` too.
+    pub(crate) broker_jit: Option<f64>,
     pub(crate) database: Option<f64>,
     /// This process: the bench's own producer, sampler and clients.
     pub(crate) bench: Option<f64>,
@@ -88,6 +91,11 @@ impl Cpu {
     /// utime + stime of `pid`, in seconds.
     pub(crate) fn seconds(&self, pid: u32) -> Option<f64> {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        self.stat_seconds(&stat)
+    }
+
+    /// utime + stime of a `stat` line, in seconds.
+    fn stat_seconds(&self, stat: &str) -> Option<f64> {
         // The command name may hold spaces: fields count from after ')'.
         // There, field 3 (state) is the first, so utime (14) and stime
         // (15) are the 12th and 13th.
@@ -97,10 +105,30 @@ impl Cpu {
         Some((utime + stime) / self.tick)
     }
 
+    /// utime + stime of the JVM's JIT compiler threads of `pid` (HotSpot
+    /// names them `C1 CompilerThread<n>` and `C2 CompilerThread<n>`, which
+    /// `/proc` cuts to 15 bytes), in seconds. A young broker keeps
+    /// compiling its code for minutes, the more the newer the kind of
+    /// client (a consumer group's join, heartbeats and commits): a cost of
+    /// the broker's start, not of the events a phase reads
+    /// (docs/benchmarks.md, "Session 31"). A compiler thread that exits
+    /// takes its time out of this sum (not out of the process's): then a
+    /// phase's figure without it is, if anything, too high.
+    fn jit_seconds(&self, pid: u32) -> Option<f64> {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+        let stats = tasks.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok());
+        let jit = stats.filter(|stat| {
+            let name = stat.split_once('(').map_or("", |(_, rest)| rest);
+            name.starts_with("C1 CompilerThre") || name.starts_with("C2 CompilerThre")
+        });
+        Some(jit.filter_map(|stat| self.stat_seconds(&stat)).sum())
+    }
+
     pub(crate) fn snapshot(&self, worker: Option<u32>) -> CpuSnapshot {
         CpuSnapshot {
             worker: worker.and_then(|p| self.seconds(p)),
             broker: self.broker.and_then(|p| self.seconds(p)),
+            broker_jit: self.broker.and_then(|p| self.jit_seconds(p)),
             database: self.database.and_then(|p| self.seconds(p)),
             bench: self.seconds(std::process::id()),
             machine: self.machine_busy_seconds(),
@@ -139,6 +167,7 @@ impl CpuSnapshot {
         CpuSnapshot {
             worker: used(earlier.worker, self.worker),
             broker: used(earlier.broker, self.broker),
+            broker_jit: used(earlier.broker_jit, self.broker_jit),
             database: used(earlier.database, self.database),
             bench: used(earlier.bench, self.bench),
             machine: used(earlier.machine, self.machine),
@@ -157,6 +186,7 @@ impl CpuSnapshot {
             "events": events,
             "worker": per(self.worker, later.worker),
             "broker": per(self.broker, later.broker),
+            "broker_jit": per(self.broker_jit, later.broker_jit),
             "database": per(self.database, later.database),
         })
     }
