@@ -19,7 +19,9 @@
 //!   committed write at the target's steady 1,000 events/s (with a sample
 //!   of trades timed from producer acknowledgement to readable in MongoDB);
 //! - the append ceiling: the database's capacity for one-trade appends to
-//!   open buckets, and the delay curve at steady loads below and above it.
+//!   open buckets, and the delay curve at steady loads below and above it;
+//! - last, the worker and the paced plain consumer again, for the broker's
+//!   CPU per event on a broker that has compiled its code.
 //!
 //! Run through `scripts/bench`, which starts the stack, builds, runs this
 //! and renders `docs/benchmarks.md` and its chart from the JSON it writes.
@@ -178,6 +180,7 @@ async fn main() -> anyhow::Result<()> {
     .await?;
     eprintln!("bench: appends paced at 0.8 x the ceiling: {append_paced}");
     let delays = delays(&args, &target, per_second).await?;
+    let broker_warm = warm_broker_pair(&args, &target).await?;
 
     let results = json!({
         "run_id": run_id,
@@ -199,12 +202,43 @@ async fn main() -> anyhow::Result<()> {
         "append_paced": append_paced,
         "hold_max_age_seconds": settings.batch.hold_max_age.as_secs_f64(),
         "delays": delays,
+        "broker_warm": broker_warm,
         "reconcile": reconcile,
         "tradebucket_unkeyed": unkeyed.as_ref().map(|u| &u.0),
         "reconcile_unkeyed": unkeyed.as_ref().map(|u| &u.1),
         "final_audit": {"trades": audit.trades, "buckets": audit.buckets, "customers": audit.customers},
     });
     write_results(&args.out, &results, &samples)
+}
+
+/// Step 7: the broker target's pair again, last, on the broker as the
+/// run leaves it: by then it has served every phase's worker and compiled
+/// their code, as a broker that has run for days has. A young broker
+/// runs a consumer group's paths (join, heartbeats, commits) slowly until
+/// it has compiled them, and compiles meanwhile, so steps 5 and 5a, on a
+/// broker started for the run, measure its start as much as the worker
+/// (docs/benchmarks.md, "Session 31"). A fresh group and database read
+/// the first set's topic from the start; then the plain consumer reads at
+/// that worker's pace.
+async fn warm_broker_pair(args: &Args, target: &Target) -> anyhow::Result<serde_json::Value> {
+    let t = Target::new(
+        &target.vars,
+        &target.topic,
+        &format!("{}_warm", target.db),
+        &format!("{}-warm", target.group),
+        0,
+    );
+    cli::init(&t.settings(), None).await?;
+    let total = if args.no_second_set { 1 } else { 2 } * args.events;
+    let run = run_worker(&t, total, total, "warm", &mut Vec::new(), None).await?;
+    let paced = plain_consumer(args, target, &Cpu::of_stack(), run.events_per_second)?;
+    let pair = json!({
+        "worker": {"seconds": run.seconds, "events_per_second": run.events_per_second,
+                   "cpu_per_million": run.cpu_per_million},
+        "plain_consumer_paced": paced,
+    });
+    eprintln!("bench: the broker pair again, warm: {pair}");
+    Ok(pair)
 }
 
 /// Step 4b: what the servers cost with no client at all, in cores (CPU-s
