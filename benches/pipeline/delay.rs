@@ -14,7 +14,7 @@ use tradebucket::cli;
 use tradebucket::config::Settings;
 
 use crate::cpu::{Cpu, CpuSnapshot};
-use crate::scrape::{counter, gauge, histogram, quantile, stage_breakdown, write_work};
+use crate::scrape::{counter, gauge, histogram, quantile, since, stage_breakdown, write_work};
 use crate::target::{committed_reached, end_offsets, kafka_consumer, stop, Target};
 use crate::{produce_options, Args};
 
@@ -156,39 +156,6 @@ fn warm_up(s: &Settings, topic: &str, customers: u64, run: usize) -> anyhow::Res
     // A send that failed is a trade short in the phase's audit.
     producer.flush(Duration::from_secs(60))?;
     Ok(sent)
-}
-
-/// `text` with `baseline`'s counts taken off: every counter and histogram
-/// series (`_total`, `_bucket`, `_sum`, `_count`) less its value there;
-/// gauges and series new since are as they are.
-pub(crate) fn since(text: &str, baseline: &str) -> String {
-    let cumulative = |series: &str| {
-        let name = series.split('{').next().unwrap_or(series);
-        ["_total", "_bucket", "_sum", "_count"]
-            .iter()
-            .any(|s| name.ends_with(s))
-    };
-    let before: std::collections::HashMap<&str, f64> = baseline
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            Some((series, value.parse().ok()?))
-        })
-        .collect();
-    let mut out = String::with_capacity(text.len());
-    for line in text.lines() {
-        let less = line
-            .rsplit_once(' ')
-            .filter(|(series, _)| !line.starts_with('#') && cumulative(series))
-            .and_then(|(series, value)| {
-                let value: f64 = value.parse().ok()?;
-                Some(format!("{series} {}", value - before.get(series)?))
-            });
-        out.push_str(less.as_deref().unwrap_or(line));
-        out.push('\n');
-    }
-    out
 }
 
 /// What the servers did in a steady phase: the cores each used while the

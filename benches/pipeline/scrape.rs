@@ -1,5 +1,6 @@
 //! Reading the worker's `/metrics` (the Prometheus text format): counters,
-//! gauges, histograms and their quantiles, and what they say of the
+//! gauges, histograms and their quantiles, a reading less an earlier one,
+//! and what they say of the
 //! worker's database work and delay.
 
 use serde_json::json;
@@ -131,4 +132,37 @@ pub(crate) fn quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
         prev = (le, count);
     }
     prev.0
+}
+
+/// `text` with `baseline`'s counts taken off: every counter and histogram
+/// series (`_total`, `_bucket`, `_sum`, `_count`) less its value there;
+/// gauges and series new since are as they are.
+pub(crate) fn since(text: &str, baseline: &str) -> String {
+    let cumulative = |series: &str| {
+        let name = series.split('{').next().unwrap_or(series);
+        ["_total", "_bucket", "_sum", "_count"]
+            .iter()
+            .any(|s| name.ends_with(s))
+    };
+    let before: std::collections::HashMap<&str, f64> = baseline
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series, value.parse().ok()?))
+        })
+        .collect();
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let less = line
+            .rsplit_once(' ')
+            .filter(|(series, _)| !line.starts_with('#') && cumulative(series))
+            .and_then(|(series, value)| {
+                let value: f64 = value.parse().ok()?;
+                Some(format!("{series} {}", value - before.get(series)?))
+            });
+        out.push_str(less.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
 }
