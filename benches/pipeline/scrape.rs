@@ -1,7 +1,6 @@
 //! Reading the worker's `/metrics` (the Prometheus text format): counters,
 //! gauges, histograms and their quantiles, a reading less an earlier one,
-//! and what they say of the
-//! worker's database work and delay.
+//! and what they say of the worker's database work and delay.
 
 use serde_json::json;
 
