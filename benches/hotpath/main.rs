@@ -264,7 +264,7 @@ fn stage_decode(records: &[Record], max_bytes: usize) -> Decoded {
     )
 }
 
-type Heads = HashMap<CustomerId, Option<BucketHead>>;
+type Heads = HashMap<CustomerId, Option<Box<BucketHead>>>;
 
 /// The writer's planning of one round, outside the writer: the batch
 /// grouped by customer as `Ledger::new` groups it, each customer planned

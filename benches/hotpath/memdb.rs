@@ -6,7 +6,7 @@ use super::*;
 /// warmed-up worker would find it, and a count of what it is sent. Each
 /// guard holds (one writer, no one else writing), so nothing conflicts.
 pub(crate) struct MemDb {
-    pub(crate) heads: Arc<HashMap<CustomerId, Option<BucketHead>>>,
+    pub(crate) heads: Arc<HashMap<CustomerId, Option<Box<BucketHead>>>>,
     pub(crate) sent: Mutex<Sent>,
 }
 
@@ -32,7 +32,7 @@ impl BucketDb for MemDb {
         Ok(customers
             .into_iter()
             .map(|c| {
-                let head = self.heads.get(&c).cloned().flatten();
+                let head = self.heads.get(&c).cloned().flatten().map(|h| *h);
                 (c, Ok(head))
             })
             .collect())

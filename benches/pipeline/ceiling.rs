@@ -186,7 +186,7 @@ pub(crate) fn final_work(
             work.docs.push(bucket_document(b, &of(&b.events)));
         }
         if let Some(h) = p.after {
-            work.heads.insert(key.clone(), h);
+            work.heads.insert(key.clone(), *h);
         }
     }
     Ok(work)

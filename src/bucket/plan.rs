@@ -201,8 +201,10 @@ pub struct CustomerPlan {
     /// part-fill a bucket (the open one, or a new last one), left for a
     /// later batch. Always the tail of the accepted events, in order.
     pub held: Vec<usize>,
-    /// The newest bucket once every operation above has succeeded.
-    pub after: Option<BucketHead>,
+    /// The newest bucket once every operation above has succeeded. Boxed,
+    /// as the writer caches it: a head is some 240 bytes, and a plan and a
+    /// cache entry are moved for every customer of every batch.
+    pub after: Option<Box<BucketHead>>,
 }
 
 impl CustomerPlan {
@@ -227,7 +229,8 @@ pub fn plan_customer(
     known: &Known,
     limits: Limits,
 ) -> CustomerPlan {
-    plan_customer_owned(customer, head.cloned(), events, known, limits, false)
+    let head = head.map(|h| Box::new(h.clone()));
+    plan_customer_owned(customer, head, events, known, limits, false)
 }
 
 /// [`plan_customer`] on a head the caller gives up: it becomes the plan's
@@ -245,14 +248,14 @@ pub fn plan_customer(
 /// events continues it as if nothing had been held.
 pub fn plan_customer_owned(
     customer: &CustomerId,
-    mut head: Option<BucketHead>,
+    mut head: Option<Box<BucketHead>>,
     events: &[Event<'_>],
     known: &Known,
     limits: Limits,
     hold: bool,
 ) -> CustomerPlan {
     let mut plan = CustomerPlan::default();
-    let accepted = classify(head.as_ref(), events, known, &mut plan);
+    let accepted = classify(head.as_deref(), events, known, &mut plan);
     let mut rest = accepted.as_slice();
 
     if let Some(h) = head
@@ -299,15 +302,15 @@ fn fills_up(head: &BucketHead, events: &[Event<'_>], legacy_cap: u32) -> bool {
 /// held.
 fn open_buckets(
     customer: &CustomerId,
-    mut head: Option<BucketHead>,
+    mut head: Option<Box<BucketHead>>,
     mut rest: &[Event<'_>],
     limits: Limits,
     hold: bool,
     plan: &mut CustomerPlan,
-) -> Option<BucketHead> {
+) -> Option<Box<BucketHead>> {
     let prefix = Prefix::of(customer);
     while !rest.is_empty() {
-        let at = match next_position(&prefix, head.as_ref(), rest[0].trade.epoch_seconds()) {
+        let at = match next_position(&prefix, head.as_deref(), rest[0].trade.epoch_seconds()) {
             Ok(at) => at,
             Err(why) => {
                 plan.unplaceable
@@ -315,7 +318,7 @@ fn open_buckets(
                 break;
             }
         };
-        let (bucket, after) = open_bucket(&prefix, customer, head.as_ref(), at, rest, limits);
+        let (bucket, after) = open_bucket(&prefix, customer, head.as_deref(), at, rest, limits);
         // A bucket stops taking events only when full: one that is not
         // took all the rest, and is the last.
         if hold && !after.is_full(limits.cap) {
@@ -324,7 +327,11 @@ fn open_buckets(
         }
         rest = &rest[bucket.events.len()..];
         plan.new_buckets.push(bucket);
-        head = Some(after);
+        // The new bucket takes the old head's box.
+        match head.as_mut() {
+            Some(h) => **h = after,
+            None => head = Some(Box::new(after)),
+        }
     }
     head
 }

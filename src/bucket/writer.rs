@@ -32,9 +32,9 @@ use mongodb::bson::RawDocumentBuf;
 
 use super::db::BucketDb;
 use super::id::Prefix;
-use super::plan::{BucketHead, CustomerPlan, Limits};
+use super::plan::{BucketHead, Limits};
 use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
-use crate::event::{CustomerId, Reject, Source, Trade};
+use crate::event::{CustomerId, Reject};
 use crate::metrics::{Metrics, WriteOperation};
 
 /// A conflict is resolved by one reload; this many rounds in a row that
@@ -88,7 +88,9 @@ pub struct BucketWriter<S = BucketStore> {
     /// Trades per bucket this writer opens (`buckets.capacity`); a bucket
     /// is full at its own stored `cap`, whatever this says.
     capacity: u32,
-    cache: LruCache<CustomerId, Option<BucketHead>>,
+    /// Heads boxed: an entry is moved out and back for every customer of
+    /// every batch (see `take_head`).
+    cache: LruCache<CustomerId, Option<Box<BucketHead>>>,
     metrics: Metrics,
 }
 
@@ -125,12 +127,13 @@ impl<S: BucketDb> BucketWriter<S> {
     /// would part-fill one left [`Outcome::Held`] (the caller puts events
     /// it held before, and will not hold again, below `first`). `None`
     /// writes everything.
-    pub async fn write(
+    pub async fn write<'a>(
         &mut self,
-        events: &[(Trade, Source)],
+        events: impl Into<Events<'a>>,
         outcomes: &mut [Outcome],
         hold: Option<usize>,
     ) -> Result<WriteStats, StoreError> {
+        let events = events.into();
         assert_eq!(events.len(), outcomes.len(), "one outcome per event");
         let mut ledger = Ledger::new(events, outcomes, hold);
         let result = match self.verify_legacy_keys(&mut ledger).await {
@@ -235,7 +238,7 @@ impl<S: BucketDb> BucketWriter<S> {
             match head {
                 Ok(head) => {
                     ledger.loaded(&customer, None);
-                    self.cache.put(customer, head);
+                    self.cache.put(customer, head.map(Box::new));
                 }
                 Err(unreadable) => ledger.loaded(&customer, Some(unreadable)),
             }
@@ -278,7 +281,7 @@ impl<S: BucketDb> BucketWriter<S> {
 
     /// `customer`'s cached newest bucket, if it has one.
     fn cached_head(&self, customer: &CustomerId) -> Option<&BucketHead> {
-        self.cache.peek(customer).and_then(Option::as_ref)
+        self.cache.peek(customer).and_then(Option::as_deref)
     }
 
     /// The events of `asked` whose key is stored in one of their own
@@ -345,29 +348,33 @@ impl<S: BucketDb> BucketWriter<S> {
     fn plan(&mut self, ledger: &mut Ledger<'_>) -> Round {
         ledger.reject_unreadable();
         let limits = Limits::with_capacity(self.capacity);
-        let plans: Vec<(CustomerId, CustomerPlan)> = ledger
-            .pending()
-            .filter_map(|(customer, idx)| {
-                // Not cached is not "no bucket" (see `take_head`): it stays
-                // pending and is loaded again next round.
-                let head = self.take_head(customer)?;
-                Some((customer.clone(), ledger.plan(customer, idx, head, limits)))
-            })
-            .collect();
-        let mut writing = Vec::with_capacity(plans.len());
-        for (customer, plan) in plans {
-            ledger.planned(&plan);
-            if plan.has_writes() {
-                writing.push((customer, plan));
-                continue;
+        // Sized up front: a plan is some 500 bytes and a batch plans
+        // thousands of customers, so a vector grown by doubling copied
+        // megabytes per round (docs/benchmarks.md, "Session 32").
+        let mut plans = Vec::with_capacity(ledger.pending_len());
+        plans.extend(ledger.pending().filter_map(|(customer, idx)| {
+            // Not cached is not "no bucket" (see `take_head`): it stays
+            // pending and is loaded again next round.
+            let head = self.take_head(customer)?;
+            Some(Planned::new(
+                customer.clone(),
+                ledger.plan(customer, idx, head, limits),
+            ))
+        }));
+        plans.retain_mut(|planned| {
+            ledger.planned(&planned.plan);
+            if planned.plan.has_writes() {
+                return true;
             }
             // Without writes every planned event is settled (an isolated
             // customer may still have events after the one planned), and
             // the head is unchanged: back into the cache.
-            ledger.done_if_settled(&customer);
-            self.cache.put(customer, plan.after);
-        }
-        Round::new(writing)
+            ledger.done_if_settled(&planned.customer);
+            let customer = std::mem::replace(&mut planned.customer, CustomerId::Int(0));
+            self.cache.put(customer, planned.plan.after.take());
+            false
+        });
+        Round::new(plans)
     }
 
     /// The customer's newest bucket as cached (`Some(None)`: it has none),
@@ -379,7 +386,7 @@ impl<S: BucketDb> BucketWriter<S> {
     /// loaded by this call and evicted since (a write of more customers
     /// than the cache holds). Planned as new, such a customer started a
     /// second chain where its first bucket was gone or had no `prev`.
-    fn take_head(&mut self, customer: &CustomerId) -> Option<Option<BucketHead>> {
+    fn take_head(&mut self, customer: &CustomerId) -> Option<Option<Box<BucketHead>>> {
         self.cache.pop(customer)
     }
 
@@ -593,11 +600,14 @@ impl<S: BucketDb> BucketWriter<S> {
     }
 }
 
+mod events;
 mod ledger;
 mod round;
 
+pub use events::Events;
+
 use ledger::{ByKey, Ledger};
-use round::{NewBucketId, Op, PlanId, Round};
+use round::{NewBucketId, Op, PlanId, Planned, Round};
 
 #[cfg(test)]
 mod model;

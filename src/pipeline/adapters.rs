@@ -17,9 +17,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record, SendError};
 use crate::bucket::store::{BucketStore, StoreError};
-use crate::bucket::writer::{BucketWriter, Outcome, WriteStats};
+use crate::bucket::writer::{BucketWriter, Events, Outcome, WriteStats};
 use crate::config::{Settings, TimeoutSettings};
-use crate::event::{Source, Trade};
 use crate::health::Health;
 use crate::kafka::stall::{self, StallWatch};
 use crate::kafka::{self, ConsumerCtx, DeadLetter, GroupEvent};
@@ -285,7 +284,7 @@ fn send_error(e: KafkaError) -> SendError {
 impl BucketSink for BucketWriter {
     async fn write(
         &mut self,
-        events: &[(Trade, Source)],
+        events: Events<'_>,
         outcomes: &mut [Outcome],
         hold: Option<usize>,
     ) -> Result<WriteStats, StoreError> {

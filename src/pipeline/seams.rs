@@ -13,8 +13,8 @@
 use std::fmt;
 
 use crate::bucket::store::StoreError;
-use crate::bucket::writer::{Outcome, WriteStats};
-use crate::event::{Source, Trade};
+use crate::bucket::writer::{Events, Outcome, WriteStats};
+use crate::event::Source;
 use crate::kafka::headers::Header;
 use crate::kafka::{DeadLetter, GroupEvent};
 use crate::metrics::ConsumerErrorKind;
@@ -127,7 +127,7 @@ pub(crate) trait BucketSink {
     /// `hold`: see `BucketWriter::write`.
     async fn write(
         &mut self,
-        events: &[(Trade, Source)],
+        events: Events<'_>,
         outcomes: &mut [Outcome],
         hold: Option<usize>,
     ) -> Result<WriteStats, StoreError>;

@@ -15,7 +15,7 @@ use std::time::Instant;
 use tokio::time::Instant as TokioInstant;
 
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
-use crate::bucket::writer::{Outcome, WriteStats};
+use crate::bucket::writer::{Events, Outcome, WriteStats};
 use crate::config::Settings;
 use crate::errors::error_chain;
 use crate::event::{CustomerId, Mappings, RecordParts, Reject, Source, Trade};
@@ -194,32 +194,23 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         }
         let batch = self.resolve_schemas(batch).await;
         let (mut work, hold_from) = self.with_held(batch, handling.partial, started);
-        let (outcomes, stats) = self.write_until_done(&work.events, hold_from).await;
+        let (outcomes, stats) = self.write_until_done(work.events(), hold_from).await;
         let mut counts = OutcomeCounts::default();
-        // Sized once: under a backlog tens of thousands of trades are held
-        // a batch, and growing by doubling copied each of them again.
-        let mut held = Vec::with_capacity(
-            outcomes
-                .iter()
-                .filter(|o| matches!(o, Outcome::Held))
-                .count(),
-        );
-        for (j, (event, outcome)) in work.events.drain(..).zip(outcomes).enumerate() {
+        let mut held = Vec::new();
+        for (j, outcome) in outcomes.into_iter().enumerate() {
             match outcome {
                 Outcome::Written => counts.written += 1,
                 Outcome::AlreadyApplied => counts.applied += 1,
                 Outcome::Duplicate => counts.duplicates += 1,
                 Outcome::DeadLetter(r) => work.dead.push((work.record_of[j], r)),
-                Outcome::Held => {
-                    let since = work.held_since.get(j).copied().unwrap_or(started);
-                    held.push((work.record_of[j], event, since));
-                }
+                Outcome::Held => held.push(j),
                 Outcome::Pending => unreachable!("write returned Ok with a pending event"),
             }
         }
         counts.dead_lettered = work.dead.len() as u64;
-        self.dead_letter(&work.records, &work.dead).await;
-        let records = self.hold(work.records, held);
+        let dead = std::mem::take(&mut work.dead);
+        self.dead_letter(|i| work.record(i), &dead).await;
+        let records = self.hold(work, &held, started);
         let done = Done {
             records,
             counts,
@@ -280,28 +271,16 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         (taken, expired)
     }
 
-    /// Keeps the `held` trades (by record index, ascending) with their
-    /// records for a later batch; returns the other records: the done ones.
-    fn hold(
-        &mut self,
-        records: Vec<Record>,
-        held: Vec<(usize, (Trade, Source), TokioInstant)>,
-    ) -> Vec<Record> {
-        let mut done = Vec::with_capacity(records.len() - held.len());
+    /// Keeps the `held` events (by index, ascending) with their records
+    /// for a later batch; returns the other records: the done ones, in no
+    /// particular order (the offset tracker takes them in any).
+    fn hold(&mut self, mut work: Work, held: &[usize], started: TokioInstant) -> Vec<Record> {
         self.held_count += held.len();
-        let mut held = held.into_iter().peekable();
-        for (i, record) in records.into_iter().enumerate() {
-            match held.next_if(|(at, ..)| *at == i) {
-                Some((_, event, since)) => self.keep(Held {
-                    event,
-                    record,
-                    since,
-                }),
-                None => done.push(record),
-            }
+        for h in work.take_held(held, started) {
+            self.keep(h);
         }
         self.metrics.held_trades.set(self.held_count as i64);
-        done
+        work.into_done_records()
     }
 
     /// Adds `held` at the end of its customer's list.
@@ -326,7 +305,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     /// no rebalance.
     async fn write_until_done(
         &mut self,
-        events: &[(Trade, Source)],
+        events: Events<'_>,
         hold: Option<usize>,
     ) -> (Vec<Outcome>, WriteStats) {
         let mut outcomes = vec![Outcome::Pending; events.len()];
@@ -356,10 +335,14 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     /// unrecorded bad event would lose it silently. A record refused for
     /// its size is sent again at once, shortened (it would never fit);
     /// any other refusal holds the partition, and readiness says so.
-    async fn dead_letter(&mut self, batch: &[Record], dead: &[(usize, Reject)]) {
+    async fn dead_letter<'r>(
+        &mut self,
+        record: impl Fn(usize) -> &'r Record,
+        dead: &[(usize, Reject)],
+    ) {
         let mut todo: Vec<DeadLetter> = dead
             .iter()
-            .map(|(i, reject)| dead_letter_of(&batch[*i], reject))
+            .map(|(i, reject)| dead_letter_of(record(*i), reject))
             .collect();
         let mut backoff = Backoff::new(&self.settings.retry);
         while !todo.is_empty() {
@@ -427,10 +410,15 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     }
 }
 
-/// What one write handles: the held trades, then the batch's.
+/// What one write handles: the held trades, then the batch's. The two are
+/// kept apart, each in its own vectors, and read as one ([`Events`]): the
+/// batch's events and records are not copied behind the held ones.
 struct Work {
+    held_events: Vec<(Trade, Source)>,
     events: Vec<(Trade, Source)>,
-    /// Held trades' records first, then the batch's.
+    /// The held trades' records: records `0..held_records.len()`.
+    held_records: Vec<Record>,
+    /// The batch's records: the records after those.
     records: Vec<Record>,
     /// For each event, the index of its record.
     record_of: Vec<usize>,
@@ -450,22 +438,68 @@ impl Work {
             pending: _,
         } = batch.decoded;
         let mut work = Work {
-            events: Vec::with_capacity(n + events.len()),
-            records: Vec::with_capacity(n + batch.records.len()),
+            held_events: Vec::with_capacity(n),
+            events,
+            held_records: Vec::with_capacity(n),
+            records: batch.records,
             record_of: Vec::with_capacity(n + record_of.len()),
             dead: dead.into_iter().map(|(i, r)| (n + i, r)).collect(),
             held_since: Vec::with_capacity(n),
         };
         for (i, h) in held.into_iter().enumerate() {
-            work.events.push(h.event);
-            work.records.push(h.record);
+            work.held_events.push(h.event);
+            work.held_records.push(h.record);
             work.record_of.push(i);
             work.held_since.push(h.since);
         }
-        work.events.extend(events);
-        work.records.extend(batch.records);
         work.record_of.extend(record_of.into_iter().map(|i| n + i));
         work
+    }
+
+    fn events(&self) -> Events<'_> {
+        Events::new(&self.held_events, &self.events)
+    }
+
+    fn record(&self, i: usize) -> &Record {
+        match i.checked_sub(self.held_records.len()) {
+            None => &self.held_records[i],
+            Some(j) => &self.records[j],
+        }
+    }
+
+    /// Takes the events `held` (by index, ascending) out, each with its
+    /// record, in that order. Each is swapped with the last of its vector
+    /// (from the highest index down, so no event or record to be taken is
+    /// moved first): the events and records left are only dropped or
+    /// handed back as done, in any order, and the rest are not moved.
+    fn take_held(&mut self, held: &[usize], started: TokioInstant) -> Vec<Held> {
+        let (n, nr) = (self.held_events.len(), self.held_records.len());
+        let mut taken = Vec::with_capacity(held.len());
+        for &j in held.iter().rev() {
+            let event = match j.checked_sub(n) {
+                None => self.held_events.swap_remove(j),
+                Some(k) => self.events.swap_remove(k),
+            };
+            let r = self.record_of[j];
+            let record = match r.checked_sub(nr) {
+                None => self.held_records.swap_remove(r),
+                Some(k) => self.records.swap_remove(k),
+            };
+            let since = self.held_since.get(j).copied().unwrap_or(started);
+            taken.push(Held {
+                event,
+                record,
+                since,
+            });
+        }
+        taken.reverse();
+        taken
+    }
+
+    /// The records left once the held ones are taken: the done ones.
+    fn into_done_records(mut self) -> Vec<Record> {
+        self.records.append(&mut self.held_records);
+        self.records
     }
 }
 

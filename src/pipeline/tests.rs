@@ -14,9 +14,8 @@ use tokio_util::sync::CancellationToken;
 use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record, SendError};
 use super::{PipelineError, Worker};
 use crate::bucket::store::StoreError;
-use crate::bucket::writer::{Outcome, WriteStats};
+use crate::bucket::writer::{Events, Outcome, WriteStats};
 use crate::config::Settings;
-use crate::event::{Source, Trade};
 use crate::health::Health;
 use crate::kafka::{DeadLetter, GroupEvent};
 use crate::metrics::{ConsumerErrorKind, DelayStage, Metrics};
@@ -142,7 +141,7 @@ struct FakeBuckets {
 impl BucketSink for FakeBuckets {
     async fn write(
         &mut self,
-        events: &[(Trade, Source)],
+        events: Events<'_>,
         outcomes: &mut [Outcome],
         hold: Option<usize>,
     ) -> Result<WriteStats, StoreError> {
@@ -159,7 +158,7 @@ impl BucketSink for FakeBuckets {
             return Err(StoreError::Failed("down".into()));
         }
         let to_hold = &mut self.seen.lock().unwrap().to_hold;
-        for (j, (o, (_, source))) in outcomes.iter_mut().zip(events).enumerate() {
+        for (j, (o, (_, source))) in outcomes.iter_mut().zip(events.iter()).enumerate() {
             let at = to_hold.iter().position(|&o| o == source.offset);
             let held = hold.is_some_and(|from| j >= from) && at.is_some();
             if let (true, Some(at)) = (held, at) {

@@ -569,7 +569,7 @@ fn write_batch(
             }
             let ok = apply_some(model, &plan, ops, &trades_of);
             if ok {
-                cache.insert(customer.clone(), plan.after.clone());
+                cache.insert(customer.clone(), plan.after.clone().map(|h| *h));
                 break;
             }
             // Conflict: reload, and learn which keys are stored elsewhere.
@@ -824,7 +824,7 @@ fn plan_holding(head: Option<&BucketHead>, events: &[Event<'_>], limits: Limits)
     let known = Known::default();
     plan_customer_owned(
         &CustomerId::Int(5),
-        head.cloned(),
+        head.cloned().map(Box::new),
         events,
         &known,
         limits,
@@ -862,7 +862,11 @@ fn holding_leaves_out_a_fill_that_would_not_fill_the_bucket() {
     let plan = plan_holding(Some(&head), &events, cap(10));
     assert!(!plan.has_writes());
     assert_eq!(plan.held, vec![0, 1]);
-    assert_eq!(plan.after, Some(head.clone()), "the head as it was");
+    assert_eq!(
+        plan.after,
+        Some(Box::new(head.clone())),
+        "the head as it was"
+    );
     // Three fill it: written.
     let (trades, sources) = run_of(3, 0);
     let events = events_of(&trades, &sources);
@@ -921,8 +925,8 @@ proptest! {
         let head = open.then(|| head_of("5_0000000900", count.min(capacity), capacity));
         let known = Known::default();
         let c = CustomerId::Int(5);
-        let all = plan_customer_owned(&c, head.clone(), &events, &known, cap(capacity), false);
-        let held = plan_customer_owned(&c, head.clone(), &events, &known, cap(capacity), true);
+        let all = plan_customer_owned(&c, head.clone().map(Box::new), &events, &known, cap(capacity), false);
+        let held = plan_customer_owned(&c, head.clone().map(Box::new), &events, &known, cap(capacity), true);
         prop_assert_eq!(&held.duplicates, &all.duplicates);
         prop_assert_eq!(&held.copies, &all.copies);
         prop_assert_eq!(&held.already_applied, &all.already_applied);

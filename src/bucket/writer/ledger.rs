@@ -10,7 +10,7 @@ use crate::bucket::id::Prefix;
 use crate::bucket::plan::{
     plan_customer_owned, BucketHead, CustomerPlan, Event, Known, Limits, UnreadableBucket,
 };
-use crate::bucket::writer::{Outcome, WriteStats};
+use crate::bucket::writer::{Events, Outcome, WriteStats};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
 
 /// What a customer the database told us nothing about is planned with.
@@ -22,7 +22,7 @@ pub(super) type ByKey<'a> = HashMap<&'a str, Vec<usize>>;
 /// One `write` call: the events, their outcomes, and what the rounds learn
 /// about them along the way.
 pub(super) struct Ledger<'a> {
-    events: &'a [(Trade, Source)],
+    events: Events<'a>,
     /// One per event; `Pending` until settled.
     outcomes: &'a mut [Outcome],
     /// Customers not yet done, with their events' indices in stream order.
@@ -52,7 +52,7 @@ impl<'a> Ledger<'a> {
     /// the outcomes of the failed call). `hold_from`: the call's `hold`
     /// (see `BucketWriter::write`).
     pub(super) fn new(
-        events: &'a [(Trade, Source)],
+        events: Events<'a>,
         outcomes: &'a mut [Outcome],
         hold_from: Option<usize>,
     ) -> Self {
@@ -96,6 +96,11 @@ impl<'a> Ledger<'a> {
         self.pending.is_empty()
     }
 
+    /// How many customers are not yet done.
+    pub(super) fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
     /// The customers not yet done.
     pub(super) fn pending_customers(&self) -> impl Iterator<Item = &CustomerId> {
         self.pending.keys()
@@ -115,11 +120,11 @@ impl<'a> Ledger<'a> {
     }
 
     pub(super) fn trade(&self, i: usize) -> &'a Trade {
-        &self.events[i].0
+        &self.events.get(i).0
     }
 
     pub(super) fn trades(&self, idx: &[usize]) -> Vec<&'a Trade> {
-        idx.iter().map(|&i| &self.events[i].0).collect()
+        idx.iter().map(|&i| &self.events.get(i).0).collect()
     }
 
     /// Records a final outcome unless one is already known (a write we saw
@@ -199,7 +204,7 @@ impl<'a> Ledger<'a> {
             .iter()
             .flat_map(|(key, idx)| {
                 idx.iter()
-                    .map(|&i| (self.events[i].0.customer.clone(), key.to_string()))
+                    .map(|&i| (self.events.get(i).0.customer.clone(), key.to_string()))
             })
             .collect()
     }
@@ -214,7 +219,7 @@ impl<'a> Ledger<'a> {
         let mut stored = HashSet::new();
         for (key, bucket_id) in found {
             for &i in asked.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]) {
-                if Prefix::of(&self.events[i].0.customer).owns(bucket_id) {
+                if Prefix::of(&self.events.get(i).0.customer).owns(bucket_id) {
                     stored.insert(i);
                 }
             }
@@ -229,7 +234,7 @@ impl<'a> Ledger<'a> {
         let mut asked = ByKey::new();
         for idx in self.pending.values() {
             for &i in idx {
-                if let Some(legacy) = &events[i].0.legacy_key {
+                if let Some(legacy) = &events.get(i).0.legacy_key {
                     asked.entry(legacy.as_str()).or_default().push(i);
                 }
             }
@@ -240,7 +245,7 @@ impl<'a> Ledger<'a> {
     /// Event `i`'s trade is stored in one of its customer's buckets under
     /// its legacy key: its key is a duplicate.
     pub(super) fn stored_as_legacy(&mut self, i: usize) {
-        let trade = &self.events[i].0;
+        let trade = &self.events.get(i).0;
         self.known_elsewhere(&trade.customer, &trade.key);
     }
 
@@ -254,7 +259,7 @@ impl<'a> Ledger<'a> {
     /// Event `i` is at or below its partition's watermark, and its trade
     /// is in none of its customer's buckets: planned as new.
     pub(super) fn not_stored(&mut self, i: usize) {
-        let trade = &self.events[i].0;
+        let trade = &self.events.get(i).0;
         self.known
             .entry(trade.customer.clone())
             .or_default()
@@ -268,7 +273,7 @@ impl<'a> Ledger<'a> {
         &self,
         customer: &CustomerId,
         idx: &[usize],
-        head: Option<BucketHead>,
+        head: Option<Box<BucketHead>>,
         limits: Limits,
     ) -> CustomerPlan {
         let events = self.events;
@@ -277,8 +282,8 @@ impl<'a> Ledger<'a> {
             .filter(|&&i| !self.outcomes[i].is_final())
             .map(|&i| Event {
                 index: i,
-                trade: &events[i].0,
-                source: &events[i].1,
+                trade: &events.get(i).0,
+                source: &events.get(i).1,
             })
             .collect();
         // After MongoDB refused a write of several of this customer's
@@ -365,7 +370,7 @@ impl<'a> Ledger<'a> {
                 let outcome = &self.outcomes[i];
                 if !outcome.is_final() || *outcome == Outcome::Written {
                     owner_of
-                        .entry(events[i].0.key.as_str())
+                        .entry(events.get(i).0.key.as_str())
                         .or_default()
                         .push(i);
                 }
@@ -378,7 +383,7 @@ impl<'a> Ledger<'a> {
     /// customer's own buckets, it is a duplicate; in another customer's,
     /// the trade id is contested and the event is dead-lettered.
     pub(super) fn key_stored(&mut self, i: usize, key: &str, bucket_id: &str) {
-        let customer = &self.events[i].0.customer;
+        let customer = &self.events.get(i).0.customer;
         if Prefix::of(customer).owns(bucket_id) {
             self.known_elsewhere(customer, key);
         } else {
@@ -416,7 +421,7 @@ impl<'a> Ledger<'a> {
 /// have no outcome yet, that `wanted` picks, and that no earlier round
 /// looked up (`asked`, which records them), by key.
 fn unverified<'a, 'h>(
-    events: &'a [(Trade, Source)],
+    events: Events<'a>,
     pending: &BTreeMap<CustomerId, Vec<usize>>,
     outcomes: &[Outcome],
     head_of: impl Fn(&CustomerId) -> Option<&'h BucketHead>,
@@ -429,8 +434,11 @@ fn unverified<'a, 'h>(
             continue;
         };
         for &i in idx {
-            if !outcomes[i].is_final() && wanted(head, &events[i]) && asked.insert(i) {
-                by_key.entry(events[i].0.key.as_str()).or_default().push(i);
+            if !outcomes[i].is_final() && wanted(head, events.get(i)) && asked.insert(i) {
+                by_key
+                    .entry(events.get(i).0.key.as_str())
+                    .or_default()
+                    .push(i);
             }
         }
     }

@@ -29,7 +29,7 @@ use std::task::{Context, Poll};
 use mongodb::bson::{rawdoc, Bson, DateTime, Document, RawDocumentBuf};
 use proptest::prelude::*;
 
-use super::{BucketWriter, Outcome};
+use super::{BucketWriter, Events, Outcome};
 use crate::bucket::db::BucketDb;
 use crate::bucket::id::Prefix;
 use crate::bucket::plan::LoadedHead;
@@ -509,6 +509,9 @@ fn writing(
         let mut held: Vec<(Sent, usize)> = Vec::new();
         for (k, batch) in batches.iter().enumerate().skip(from) {
             let mut events: Vec<(Sent, usize)> = std::mem::take(&mut held);
+            // Written as the stage writes them: the held trades and the
+            // batch's as two parts of one call.
+            let held_before = events.len();
             events.extend(batch.iter().map(|e| (e.clone(), k)));
             let sent: Vec<Sent> = events.iter().map(|(e, _)| e.clone()).collect();
             let may_hold = (hold && k + 1 < batches.len()).then_some(0);
@@ -516,7 +519,8 @@ fn writing(
             let mut attempts = 0;
             // A failed call is retried at once (the model needs no
             // backoff); faults are drawn at about one request in eight.
-            while writer.write(&sent, &mut outcomes, may_hold).await.is_err() {
+            let parts = Events::new(&sent[..held_before], &sent[held_before..]);
+            while writer.write(parts, &mut outcomes, may_hold).await.is_err() {
                 attempts += 1;
                 assert!(attempts < 200, "a batch never settles");
             }

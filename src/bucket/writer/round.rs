@@ -37,6 +37,17 @@ pub(super) struct Planned {
     pub(super) held: bool,
 }
 
+impl Planned {
+    /// A plan none of whose operations has been sent yet.
+    pub(super) fn new(customer: CustomerId, plan: CustomerPlan) -> Self {
+        Planned {
+            customer,
+            plan,
+            held: true,
+        }
+    }
+}
+
 /// One round: the plans with writes, and what the database said of them.
 pub(super) struct Round {
     plans: Vec<Planned>,
@@ -51,15 +62,7 @@ pub(super) struct Round {
 }
 
 impl Round {
-    pub(super) fn new(plans: Vec<(CustomerId, CustomerPlan)>) -> Self {
-        let plans = plans
-            .into_iter()
-            .map(|(customer, plan)| Planned {
-                customer,
-                plan,
-                held: true,
-            })
-            .collect();
+    pub(super) fn new(plans: Vec<Planned>) -> Self {
         Round {
             plans,
             conflicted: Vec::new(),
