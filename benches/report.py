@@ -188,7 +188,7 @@ COMPONENTS = [
 
 def worker_profile(path):
     """The share of each component in `perf report`'s per-symbol table of
-    the first set's worker (`--profile`), or None without one."""
+    the profiled worker (`--profile`, bench step 8), or None without one."""
     if not os.path.exists(path):
         return None
     shares = {name: 0.0 for name, _ in COMPONENTS}
@@ -206,9 +206,11 @@ def worker_profile_lines(path, worker_us):
     profile = worker_profile(path)
     if not profile or not worker_us:
         return []
-    out = ["", "The first set's worker by library (`--profile`: `perf record -e cpu-clock` at 999 Hz",
-           "over its whole life; each symbol's own samples, sorted by the library it is in), as a share",
-           f"of its samples and of its {us(worker_us)} µs per event:", "",
+    out = ["", "The worker by library: a worker run again last over the first set's topic (fresh group",
+           "and database) with `perf record -e cpu-clock` at 999 Hz over its whole life (`--profile`;",
+           "the first set's worker, which the targets judge, runs without it); each symbol's own",
+           "samples, sorted by the library it is in, as a share of its samples and of its",
+           f"{us(worker_us)} µs per event:", "",
            "| where | share of samples | µs per event |", "|---|---:|---:|"]
     for name, share in profile.items():
         if share >= 0.0005:
@@ -589,7 +591,7 @@ if worked:
             lines.append(f"| {name} | {label} | {n:,.0f} | {carrying} | {secs:.2f} | "
                          f"{secs / run['events'] * 1e6:.2f} | {each} |")
 lines += worker_profile_lines(os.path.join(os.path.dirname(results_path), "perf.worker.txt"),
-                              tb_cpu.get("worker"))
+                              ((r.get("tradebucket_profiled") or {}).get("cpu_per_million") or {}).get("worker"))
 def load_of(x):
     f = x.get("fraction_of_append_ceiling")
     return "steady target load" if f is None else f"{f:g} × the append ceiling"

@@ -102,10 +102,12 @@ struct Args {
     /// `--events`, 0 skips it.
     #[arg(long)]
     unkeyed_events: Option<u64>,
-    /// Sample the first set's worker with `perf record -e cpu-clock`
-    /// (Debian's linux-perf) and keep `perf report`'s per-symbol table in
-    /// `perf.worker.txt`, which report.py sorts by library: where the
-    /// worker's own CPU goes, outside the product and in it.
+    /// Sample a worker over the first set's topic, run again last with
+    /// `perf record -e cpu-clock` (Debian's linux-perf; step 8), and keep
+    /// `perf report`'s per-symbol table in `perf.worker.txt`, which
+    /// report.py sorts by library: where the worker's own CPU goes,
+    /// outside the product and in it. The first set's worker, whose CPU
+    /// the targets judge, runs without the profiler.
     #[arg(long)]
     profile: bool,
     /// Where results.json and timeline.csv go.
@@ -181,6 +183,10 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("bench: appends paced at 0.8 x the ceiling: {append_paced}");
     let delays = delays(&args, &target, per_second).await?;
     let broker_warm = warm_broker_pair(&args, &target).await?;
+    let profiled = match args.profile {
+        true => Some(profiled_worker(&args, &target).await?),
+        false => None,
+    };
 
     let results = json!({
         "run_id": run_id,
@@ -203,6 +209,7 @@ async fn main() -> anyhow::Result<()> {
         "hold_max_age_seconds": settings.batch.hold_max_age.as_secs_f64(),
         "delays": delays,
         "broker_warm": broker_warm,
+        "tradebucket_profiled": profiled,
         "reconcile": reconcile,
         "tradebucket_unkeyed": unkeyed.as_ref().map(|u| &u.0),
         "reconcile_unkeyed": unkeyed.as_ref().map(|u| &u.1),
@@ -239,6 +246,35 @@ async fn warm_broker_pair(args: &Args, target: &Target) -> anyhow::Result<serde_
     });
     eprintln!("bench: the broker pair again, warm: {pair}");
     Ok(pair)
+}
+
+/// Step 8 (`--profile`): a fresh group and database read the first set's
+/// topic again, `perf record` attached (`perf.worker.txt`). Apart from the
+/// first set, whose worker's CPU the targets judge: the profiler costs the
+/// process it samples CPU of its own (docs/benchmarks.md, "Session 32").
+async fn profiled_worker(args: &Args, target: &Target) -> anyhow::Result<serde_json::Value> {
+    let t = Target::new(
+        &target.vars,
+        &target.topic,
+        &format!("{}_profiled", target.db),
+        &format!("{}-profiled", target.group),
+        0,
+    );
+    cli::init(&t.settings(), None).await?;
+    let profile = Some(args.out.join("perf.worker"));
+    let run = run_worker(
+        &t,
+        args.events,
+        args.events,
+        "profiled",
+        &mut Vec::new(),
+        profile,
+    )
+    .await?;
+    let profiled = json!({"seconds": run.seconds, "events_per_second": run.events_per_second,
+                          "cpu_per_million": run.cpu_per_million});
+    eprintln!("bench: the worker again, profiled: {profiled}");
+    Ok(profiled)
 }
 
 /// Step 4b: what the servers cost with no client at all, in cores (CPU-s
@@ -478,8 +514,7 @@ async fn worker_runs(
     samples: &mut Vec<Sample>,
     heads: &Heads,
 ) -> anyhow::Result<WorkerRuns> {
-    let profile = args.profile.then(|| args.out.join("perf.worker"));
-    let first = run_worker(target, args.events, args.events, "first", samples, profile).await?;
+    let first = run_worker(target, args.events, args.events, "first", samples, None).await?;
     eprintln!(
         "bench: tradebucket {:.0} events/s, peak RSS {:.1} MiB, CPU-s per million {}",
         first.events_per_second, first.peak_rss_mib, first.cpu_per_million
