@@ -249,7 +249,7 @@ async fn warm_broker_pair(args: &Args, target: &Target) -> anyhow::Result<serde_
 }
 
 /// Step 8 (`--profile`): a fresh group and database read the first set's
-/// topic again, `perf record` attached (`perf.worker.txt`). Apart from the
+/// topic again (the second set's events too), `perf record` attached (`perf.worker.txt`). Apart from the
 /// first set, whose worker's CPU the targets judge: the profiler costs the
 /// process it samples CPU of its own (docs/benchmarks.md, "Session 32").
 async fn profiled_worker(args: &Args, target: &Target) -> anyhow::Result<serde_json::Value> {
@@ -262,10 +262,12 @@ async fn profiled_worker(args: &Args, target: &Target) -> anyhow::Result<serde_j
     );
     cli::init(&t.settings(), None).await?;
     let profile = Some(args.out.join("perf.worker"));
+    // The topic holds the second set too, if there was one.
+    let total = if args.no_second_set { 1 } else { 2 } * args.events;
     let run = run_worker(
         &t,
-        args.events,
-        args.events,
+        total,
+        total,
         "profiled",
         &mut Vec::new(),
         profile,
