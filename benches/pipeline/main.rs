@@ -264,15 +264,7 @@ async fn profiled_worker(args: &Args, target: &Target) -> anyhow::Result<serde_j
     let profile = Some(args.out.join("perf.worker"));
     // The topic holds the second set too, if there was one.
     let total = if args.no_second_set { 1 } else { 2 } * args.events;
-    let run = run_worker(
-        &t,
-        total,
-        total,
-        "profiled",
-        &mut Vec::new(),
-        profile,
-    )
-    .await?;
+    let run = run_worker(&t, total, total, "profiled", &mut Vec::new(), profile).await?;
     let profiled = json!({"seconds": run.seconds, "events_per_second": run.events_per_second,
                           "cpu_per_million": run.cpu_per_million});
     eprintln!("bench: the worker again, profiled: {profiled}");
