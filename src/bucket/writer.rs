@@ -361,19 +361,16 @@ impl<S: BucketDb> BucketWriter<S> {
                 ledger.plan(customer, idx, head, limits),
             ))
         }));
-        plans.retain_mut(|planned| {
+        for planned in &plans {
             ledger.planned(&planned.plan);
-            if planned.plan.has_writes() {
-                return true;
-            }
-            // Without writes every planned event is settled (an isolated
-            // customer may still have events after the one planned), and
-            // the head is unchanged: back into the cache.
+        }
+        // Without writes every planned event is settled (an isolated
+        // customer may still have events after the one planned), and the
+        // head is unchanged: back into the cache.
+        for planned in plans.extract_if(.., |p| !p.plan.has_writes()) {
             ledger.done_if_settled(&planned.customer);
-            let customer = std::mem::replace(&mut planned.customer, CustomerId::Int(0));
-            self.cache.put(customer, planned.plan.after.take());
-            false
-        });
+            self.cache.put(planned.customer, planned.plan.after);
+        }
         Round::new(plans)
     }
 
