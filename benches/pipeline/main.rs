@@ -228,47 +228,52 @@ async fn main() -> anyhow::Result<()> {
 /// the first set's topic from the start; then the plain consumer reads at
 /// that worker's pace.
 async fn warm_broker_pair(args: &Args, target: &Target) -> anyhow::Result<serde_json::Value> {
-    let t = Target::new(
-        &target.vars,
-        &target.topic,
-        &format!("{}_warm", target.db),
-        &format!("{}-warm", target.group),
-        0,
-    );
-    cli::init(&t.settings(), None).await?;
-    let total = if args.no_second_set { 1 } else { 2 } * args.events;
-    let run = run_worker(&t, total, total, "warm", &mut Vec::new(), None).await?;
-    let paced = plain_consumer(args, target, &Cpu::of_stack(), run.events_per_second)?;
-    let pair = json!({
-        "worker": {"seconds": run.seconds, "events_per_second": run.events_per_second,
-                   "cpu_per_million": run.cpu_per_million},
-        "plain_consumer_paced": paced,
-    });
+    let run = reread(args, target, "warm", None).await?;
+    let paced = plain_consumer(
+        args,
+        target,
+        &Cpu::of_stack(),
+        run["events_per_second"].as_f64().unwrap_or(0.0),
+    )?;
+    let pair = json!({"worker": run, "plain_consumer_paced": paced});
     eprintln!("bench: the broker pair again, warm: {pair}");
     Ok(pair)
 }
 
-/// Step 8 (`--profile`): a fresh group and database read the first set's
-/// topic again (the second set's events too), `perf record` attached (`perf.worker.txt`). Apart from the
-/// first set, whose worker's CPU the targets judge: the profiler costs the
-/// process it samples CPU of its own (docs/benchmarks.md, "Session 32").
+/// Step 8 (`--profile`): the first set's topic read again, `perf record`
+/// attached (`perf.worker.txt`). Apart from the first set, whose worker's
+/// CPU the targets judge: the profiler costs the process it samples CPU
+/// of its own (docs/benchmarks.md, "Session 32").
 async fn profiled_worker(args: &Args, target: &Target) -> anyhow::Result<serde_json::Value> {
+    let profile = Some(args.out.join("perf.worker"));
+    let run = reread(args, target, "profiled", profile).await?;
+    eprintln!("bench: the worker again, profiled: {run}");
+    Ok(run)
+}
+
+/// A worker reading the first set's topic from the start (the second
+/// set's events too, if there was one) with a fresh group and database,
+/// both named after `phase`: its seconds, rate and CPU per million.
+async fn reread(
+    args: &Args,
+    target: &Target,
+    phase: &'static str,
+    profile: Option<PathBuf>,
+) -> anyhow::Result<serde_json::Value> {
     let t = Target::new(
         &target.vars,
         &target.topic,
-        &format!("{}_profiled", target.db),
-        &format!("{}-profiled", target.group),
+        &format!("{}_{phase}", target.db),
+        &format!("{}-{phase}", target.group),
         0,
     );
     cli::init(&t.settings(), None).await?;
-    let profile = Some(args.out.join("perf.worker"));
-    // The topic holds the second set too, if there was one.
     let total = if args.no_second_set { 1 } else { 2 } * args.events;
-    let run = run_worker(&t, total, total, "profiled", &mut Vec::new(), profile).await?;
-    let profiled = json!({"seconds": run.seconds, "events_per_second": run.events_per_second,
-                          "cpu_per_million": run.cpu_per_million});
-    eprintln!("bench: the worker again, profiled: {profiled}");
-    Ok(profiled)
+    let run = run_worker(&t, total, total, phase, &mut Vec::new(), profile).await?;
+    Ok(
+        json!({"seconds": run.seconds, "events_per_second": run.events_per_second,
+              "cpu_per_million": run.cpu_per_million}),
+    )
 }
 
 /// Step 4b: what the servers cost with no client at all, in cores (CPU-s

@@ -348,7 +348,7 @@ impl<S: BucketDb> BucketWriter<S> {
     fn plan(&mut self, ledger: &mut Ledger<'_>) -> Round {
         ledger.reject_unreadable();
         let limits = Limits::with_capacity(self.capacity);
-        // Sized up front: a plan is some 500 bytes and a batch plans
+        // Sized up front: a plan is some 270 bytes and a batch plans
         // thousands of customers, so a vector grown by doubling copied
         // megabytes per round (docs/benchmarks.md, "Session 32").
         let mut plans = Vec::with_capacity(ledger.pending_len());
