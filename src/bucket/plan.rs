@@ -201,10 +201,51 @@ pub struct CustomerPlan {
     /// part-fill a bucket (the open one, or a new last one), left for a
     /// later batch. Always the tail of the accepted events, in order.
     pub held: Vec<usize>,
+    /// With `held`: what the partial bucket they would go to takes before
+    /// it is full (see [`Room`]).
+    pub room: Room,
     /// The newest bucket once every operation above has succeeded. Boxed,
     /// as the writer caches it: a head is some 240 bytes, and a plan and a
     /// cache entry are moved for every customer of every batch.
     pub after: Option<Box<BucketHead>>,
+}
+
+/// What a held customer's partial bucket (the open one, or the new last
+/// one) takes, with its held trades in it, and stays short of full: how
+/// many more trades, of how many bytes ([`size::charge`]) in all. A plan
+/// of the held trades and more trades that fit holds them all again, so
+/// the caller may hold such trades without planning them (see
+/// `pipeline::stage`). The default takes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Room {
+    pub trades: u32,
+    pub bytes: u64,
+}
+
+impl Room {
+    /// What `bucket` takes and stays short of full by its own limits
+    /// (`legacy_cap` for one stored without `cap`; one without a size is
+    /// never full by size).
+    fn left_in(bucket: &BucketHead, legacy_cap: u32) -> Room {
+        let cap = bucket.cap.unwrap_or(legacy_cap);
+        Room {
+            trades: cap.saturating_sub(bucket.count).saturating_sub(1),
+            bytes: bucket.size.map_or(u64::MAX, |s| {
+                s.cap_bytes.saturating_sub(s.bytes).saturating_sub(1)
+            }),
+        }
+    }
+
+    /// Takes one more trade of `charge` bytes if the bucket stays short of
+    /// full with it; otherwise takes nothing and says so.
+    pub fn take(&mut self, charge: u64) -> bool {
+        if self.trades == 0 || charge > self.bytes {
+            return false;
+        }
+        self.trades -= 1;
+        self.bytes -= charge;
+        true
+    }
 }
 
 impl CustomerPlan {
@@ -264,6 +305,7 @@ pub fn plan_customer_owned(
     {
         if hold && !fills_up(h, rest, limits.cap) {
             plan.held.extend(rest.iter().map(|ev| ev.index));
+            plan.room = room_after(h, rest, limits.cap);
             rest = &[];
         } else {
             let fill = fill(h, rest, limits.cap);
@@ -295,6 +337,18 @@ fn fills_up(head: &BucketHead, events: &[Event<'_>], legacy_cap: u32) -> bool {
         })
 }
 
+/// What the open bucket `head` takes once `events` (which do not fill it)
+/// are appended.
+fn room_after(head: &BucketHead, events: &[Event<'_>], legacy_cap: u32) -> Room {
+    let mut room = Room::left_in(head, legacy_cap);
+    for ev in events {
+        // They do not fill it, so each fits.
+        room.trades = room.trades.saturating_sub(1);
+        room.bytes = room.bytes.saturating_sub(size::charge(ev.trade, ev.source));
+    }
+    room
+}
+
 /// Opens the buckets `events` go to after `head` (the newest bucket, full
 /// or absent), in `plan`; returns the newest bucket once they are in.
 /// Events that cannot be placed are recorded there with why. With `hold`,
@@ -323,6 +377,7 @@ fn open_buckets(
         // took all the rest, and is the last.
         if hold && !after.is_full(limits.cap) {
             plan.held.extend(bucket.events);
+            plan.room = Room::left_in(&after, limits.cap);
             break;
         }
         rest = &rest[bucket.events.len()..];

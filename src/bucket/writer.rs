@@ -32,7 +32,7 @@ use mongodb::bson::RawDocumentBuf;
 
 use super::db::BucketDb;
 use super::id::Prefix;
-use super::plan::{BucketHead, Limits};
+use super::plan::{BucketHead, Limits, Room};
 use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
 use crate::event::{CustomerId, Reject};
 use crate::metrics::{Metrics, WriteOperation};
@@ -57,8 +57,11 @@ pub enum Outcome {
     DeadLetter(Reject),
     /// Not written: it would only part-fill a bucket, and the call allowed
     /// holding (see [`BucketWriter::write`]). The caller writes it again
-    /// in a later call, before the customer's newer events.
-    Held,
+    /// in a later call, before the customer's newer events. With what
+    /// the bucket it would go to takes before it is full: the caller may
+    /// hold the customer's next trades that fit without writing them
+    /// ([`Room`]).
+    Held(Room),
 }
 
 impl Outcome {

@@ -8,17 +8,19 @@
 //! One stage, one batch at a time, is what keeps each customer's order:
 //! batch k+1's trades are written only after batch k's are settled.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::time::Instant as TokioInstant;
 
+use held::{Held, HeldTrades};
+
 use super::seams::{BucketSink, DeadLetterSink, Record, SendError};
+use crate::bucket::plan::Room;
 use crate::bucket::writer::{Events, Outcome, WriteStats};
 use crate::config::Settings;
 use crate::errors::error_chain;
-use crate::event::{CustomerId, Mappings, RecordParts, Reject, Source, Trade};
+use crate::event::{Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::DeadLetter;
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
@@ -26,6 +28,7 @@ use crate::registry::{Decode, Formats, SchemaId};
 use crate::retry::Backoff;
 use crate::throttle::Throttle;
 
+mod held;
 mod schemas;
 
 /// A batch's events after decoding.
@@ -58,7 +61,7 @@ pub(super) struct Closed {
     /// When it was closed (the `queued` stage of the delay metric).
     pub closed: TokioInstant,
     /// Closed under a backlog: its customers' partial buckets may be held
-    /// back (see [`Held`]).
+    /// back (see `held`).
     pub backlog: bool,
 }
 
@@ -95,21 +98,10 @@ pub(super) enum Cache {
 /// What a batch does with trades that would only part-fill a bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Partial {
-    /// Holds them back for a later batch (see [`Held`]).
+    /// Holds them back for a later batch (see `held`).
     Hold,
     /// Writes them, and every trade held before.
     Write,
-}
-
-/// A trade a batch held back ([`Outcome::Held`]), with its record: its
-/// offset stays uncommitted, and a write may still dead-letter it, until a
-/// later batch writes it (docs/design.md, "Holding partial buckets under a
-/// backlog").
-struct Held {
-    event: (Trade, Source),
-    record: Record,
-    /// When it was first held: `batch.hold_max_age` counts from here.
-    since: TokioInstant,
 }
 
 /// A batch whose every event is handled: written, found already stored,
@@ -139,11 +131,8 @@ pub(super) struct Stage<B, D> {
     health: Arc<Health>,
     /// Dead letters are logged at warn at most once per second.
     dead_letter_log: Throttle,
-    /// Held trades by customer, each customer's in stream order: the tail
-    /// of its trades so far, its oldest hold first.
-    held: HashMap<CustomerId, Vec<Held>, foldhash::fast::RandomState>,
-    /// How many trades `held` holds.
-    held_count: usize,
+    /// Held trades by customer.
+    held: HeldTrades,
     /// For the records whose schema the stage fetches: how each topic is
     /// read, as in `decode_batch`.
     mappings: Arc<Mappings>,
@@ -168,14 +157,13 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
             metrics,
             health,
             dead_letter_log: Throttle::hot_path(),
-            held: HashMap::default(),
-            held_count: 0,
+            held: HeldTrades::default(),
         }
     }
 
     /// Whether trades are held, waiting for a later batch.
     pub fn holds(&self) -> bool {
-        self.held_count > 0
+        self.held.count() > 0
     }
 
     /// Handles `batch` and hands the stage back with the result. A batch
@@ -191,10 +179,13 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         let started = TokioInstant::now();
         if handling.cache == Cache::Forget {
             self.buckets.forget_all();
+            self.held.forget_rooms();
         }
         let batch = self.resolve_schemas(batch).await;
-        let (mut work, hold_from) = self.with_held(batch, handling.partial, started);
-        let (outcomes, stats) = self.write_until_done(work.events(), hold_from).await;
+        let (mut work, outcomes, hold_from) = self.with_held(batch, handling.partial, started);
+        let (outcomes, stats) = self
+            .write_until_done(work.events(), outcomes, hold_from)
+            .await;
         let mut counts = OutcomeCounts::default();
         let mut held = Vec::new();
         for (j, outcome) in outcomes.into_iter().enumerate() {
@@ -203,7 +194,7 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
                 Outcome::AlreadyApplied => counts.applied += 1,
                 Outcome::Duplicate => counts.duplicates += 1,
                 Outcome::DeadLetter(r) => work.dead.push((work.record_of[j], r)),
-                Outcome::Held => held.push(j),
+                Outcome::Held(room) => held.push((j, room)),
                 Outcome::Pending => unreachable!("write returned Ok with a pending event"),
             }
         }
@@ -220,83 +211,52 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
         (self, done)
     }
 
-    /// What this write handles, and the writer's `hold`: the held trades
-    /// it takes, then `batch`. A write that may hold takes the held trades
-    /// of the batch's customers only, and of those whose oldest held trade
-    /// is `batch.hold_max_age` old, those first (they are written whole);
-    /// the others wait, unplanned, for a batch that brings their customer.
-    /// A write that may not hold, or whose held trades would pass
+    /// What this write handles, the events' outcomes so far, and the
+    /// writer's `hold`: the held trades it takes, then `batch`. A write
+    /// that may hold takes the held trades of the batch's customers only,
+    /// and of those whose oldest held trade is `batch.hold_max_age` old,
+    /// those first (they are written whole); the others wait, unplanned,
+    /// for a batch that brings their customer, and so do the batch's
+    /// trades that fit in their customer's held bucket (see `held`). A
+    /// write that may not hold, or whose held trades would pass
     /// `batch.hold_trades`, takes them all and holds nothing.
     fn with_held(
         &mut self,
         batch: Closed,
         partial: Partial,
         now: TokioInstant,
-    ) -> (Work, Option<usize>) {
+    ) -> (Work, Vec<Outcome>, Option<usize>) {
         let limits = &self.settings.batch;
         let events = batch.decoded.events.len();
-        let hold = partial == Partial::Hold && self.held_count + events <= limits.hold_trades;
-        let (taken, expired) = if hold {
-            self.take_due(&batch.decoded.events, now)
-        } else {
-            let mut all = Vec::with_capacity(self.held_count);
-            self.held.drain().for_each(|(_, list)| all.extend(list));
-            (all, 0)
-        };
-        self.held_count -= taken.len();
-        (Work::new(taken, batch), hold.then_some(expired))
+        let hold = partial == Partial::Hold && self.held.count() + events <= limits.hold_trades;
+        if !hold {
+            let taken = self.held.take_all();
+            let outcomes = vec![Outcome::Pending; taken.len() + events];
+            return (Work::new(taken, batch), outcomes, None);
+        }
+        let due = self
+            .held
+            .take_due(&batch.decoded.events, now, limits.hold_max_age);
+        let mut outcomes = vec![Outcome::Pending; due.taken.len()];
+        outcomes.extend(due.outcomes);
+        (Work::new(due.taken, batch), outcomes, Some(due.expired))
     }
 
-    /// The held trades of customers past their age (first; how many of
-    /// them), then of `events`' customers.
-    fn take_due(&mut self, events: &[(Trade, Source)], now: TokioInstant) -> (Vec<Held>, usize) {
-        let max_age = self.settings.batch.hold_max_age;
-        let mut taken = Vec::new();
-        // A customer's list is in stream order, so its first is its oldest.
-        self.held.retain(|_, list| {
-            let young = list
-                .first()
-                .is_some_and(|h| now.duration_since(h.since) < max_age);
-            if !young {
-                taken.append(list);
-            }
-            young
-        });
-        let expired = taken.len();
-        for (trade, _) in events {
-            if let Some(list) = self.held.remove(&trade.customer) {
-                taken.extend(list);
-            }
+    /// Keeps the `held` events (by index, ascending, each with what its
+    /// bucket takes) with their records for a later batch; returns the
+    /// other records: the done ones, in no particular order (the offset
+    /// tracker takes them in any).
+    fn hold(
+        &mut self,
+        mut work: Work,
+        held: &[(usize, Room)],
+        started: TokioInstant,
+    ) -> Vec<Record> {
+        for (h, room) in work.take_held(held, started) {
+            self.held.keep(h, room);
         }
-        (taken, expired)
-    }
-
-    /// Keeps the `held` events (by index, ascending) with their records
-    /// for a later batch; returns the other records: the done ones, in no
-    /// particular order (the offset tracker takes them in any).
-    fn hold(&mut self, mut work: Work, held: &[usize], started: TokioInstant) -> Vec<Record> {
-        self.held_count += held.len();
-        for h in work.take_held(held, started) {
-            self.keep(h);
-        }
-        self.metrics.held_trades.set(self.held_count as i64);
+        self.metrics.held_trades.set(self.held.count() as i64);
         work.into_done_records()
-    }
-
-    /// Adds `held` at the end of its customer's list.
-    fn keep(&mut self, held: Held) {
-        let customer = &held.event.0.customer;
-        match self.held.get_mut(customer) {
-            // Exactly: a list stays a few trades long, often for several
-            // batches, and thousands of customers hold at once.
-            Some(list) => {
-                list.reserve_exact(1);
-                list.push(held);
-            }
-            None => {
-                self.held.insert(customer.clone(), vec![held]);
-            }
-        }
     }
 
     /// Writes the batch's events, retrying with backoff until every event
@@ -306,9 +266,9 @@ impl<B: BucketSink, D: DeadLetterSink> Stage<B, D> {
     async fn write_until_done(
         &mut self,
         events: Events<'_>,
+        mut outcomes: Vec<Outcome>,
         hold: Option<usize>,
     ) -> (Vec<Outcome>, WriteStats) {
-        let mut outcomes = vec![Outcome::Pending; events.len()];
         let mut backoff = Backoff::new(&self.settings.retry);
         loop {
             match self.buckets.write(events, &mut outcomes, hold).await {
@@ -468,14 +428,14 @@ impl Work {
     }
 
     /// Takes the events `held` (by index, ascending) out, each with its
-    /// record, in that order. Each is swapped with the last of its vector
-    /// (from the highest index down, so no event or record to be taken is
-    /// moved first): the events and records left are only dropped or
-    /// handed back as done, in any order, and the rest are not moved.
-    fn take_held(&mut self, held: &[usize], started: TokioInstant) -> Vec<Held> {
+    /// record and room, in that order. Each is swapped with the last of its
+    /// vector (from the highest index down, so no event or record to be
+    /// taken is moved first): the events and records left are only dropped
+    /// or handed back as done, in any order, and the rest are not moved.
+    fn take_held(&mut self, held: &[(usize, Room)], started: TokioInstant) -> Vec<(Held, Room)> {
         let (n, nr) = (self.held_events.len(), self.held_records.len());
         let mut taken = Vec::with_capacity(held.len());
-        for &j in held.iter().rev() {
+        for &(j, room) in held.iter().rev() {
             let event = match j.checked_sub(n) {
                 None => self.held_events.swap_remove(j),
                 Some(k) => self.events.swap_remove(k),
@@ -486,11 +446,12 @@ impl Work {
                 Some(k) => self.records.swap_remove(k),
             };
             let since = self.held_since.get(j).copied().unwrap_or(started);
-            taken.push(Held {
+            let held = Held {
                 event,
                 record,
                 since,
-            });
+            };
+            taken.push((held, room));
         }
         taken.reverse();
         taken

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record, SendError};
 use super::{PipelineError, Worker};
+use crate::bucket::plan::Room;
 use crate::bucket::store::StoreError;
 use crate::bucket::writer::{Events, Outcome, WriteStats};
 use crate::config::Settings;
@@ -45,6 +46,9 @@ struct Seen {
     /// Offsets the bucket writer holds, each the first time a write lets
     /// it (as often as it is listed).
     to_hold: Vec<i64>,
+    /// What the bucket writer says a held trade's bucket takes (by
+    /// default nothing: the stage then holds no trade unplanned).
+    room: Room,
 }
 
 type Shared = Arc<Mutex<Seen>>;
@@ -145,7 +149,13 @@ impl BucketSink for FakeBuckets {
         outcomes: &mut [Outcome],
         hold: Option<usize>,
     ) -> Result<WriteStats, StoreError> {
-        let offsets = events.iter().map(|(_, s)| s.offset).collect();
+        // What it is asked to write: not what the stage holds unplanned.
+        let offsets = events
+            .iter()
+            .zip(outcomes.iter())
+            .filter(|(_, o)| !o.is_final())
+            .map(|((_, s), _)| s.offset)
+            .collect();
         let at = self.start.elapsed();
         {
             let mut seen = self.seen.lock().unwrap();
@@ -157,15 +167,18 @@ impl BucketSink for FakeBuckets {
             self.failures -= 1;
             return Err(StoreError::Failed("down".into()));
         }
-        let to_hold = &mut self.seen.lock().unwrap().to_hold;
-        for (j, (o, (_, source))) in outcomes.iter_mut().zip(events.iter()).enumerate() {
+        let mut seen = self.seen.lock().unwrap();
+        let seen = &mut *seen;
+        let (to_hold, room) = (&mut seen.to_hold, seen.room);
+        let pending = outcomes.iter_mut().zip(events.iter()).enumerate();
+        for (j, (o, (_, source))) in pending.filter(|(_, (o, _))| !o.is_final()) {
             let at = to_hold.iter().position(|&o| o == source.offset);
             let held = hold.is_some_and(|from| j >= from) && at.is_some();
             if let (true, Some(at)) = (held, at) {
                 to_hold.remove(at);
             }
             *o = if held {
-                Outcome::Held
+                Outcome::Held(room)
             } else {
                 Outcome::Written
             };
@@ -356,6 +369,11 @@ impl Harness {
     /// it.
     fn hold(&self, offsets: impl IntoIterator<Item = i64>) {
         self.seen.lock().unwrap().to_hold = offsets.into_iter().collect();
+    }
+
+    /// The writer says a held trade's bucket takes `room`.
+    fn room(&self, room: Room) {
+        self.seen.lock().unwrap().room = room;
     }
 
     fn holds(&self) -> Vec<Option<usize>> {
@@ -1087,6 +1105,41 @@ async fn a_batch_takes_the_held_trades_of_its_own_customers() {
     assert_eq!(h.writes()[3].1, vec![3, 9]);
     assert_eq!(h.holds()[3], None);
     assert_eq!(committed(&h).last(), Some(&vec![(tp(0), 10)]));
+    h.stop().await;
+}
+
+/// A held customer whose trades in a batch all fit in its bucket (what
+/// the writer said it takes) stays held, and they with it, unplanned: the
+/// writer is not asked to write them, and their offsets stay uncommitted.
+/// Once one does not fit, its held trades are written first, then it.
+#[tokio::test(start_paused = true)]
+async fn trades_that_fit_a_held_bucket_are_held_unplanned() {
+    let h = Harness::start(
+        Options {
+            max_events: Some(4),
+            write_delay: ms(10),
+            ..Options::default()
+        },
+        &[0],
+    );
+    h.room(Room {
+        trades: 2,
+        bytes: u64::MAX,
+    });
+    h.hold([1]);
+    h.send_of(0, [(0, "2"), (1, "1"), (2, "2"), (3, "2")]);
+    h.until(ms(15)).await;
+    assert_eq!(committed(&h), vec![vec![(tp(0), 1)]]);
+    // Customer 1's 4 and 5 (spelt as text: the same customer) fit.
+    h.send_of(0, [(4, "1"), (5, r#""1""#), (6, "3"), (7, "3")]);
+    h.until(ms(30)).await;
+    assert_eq!(h.writes()[1].1, vec![6, 7], "1, 4 and 5 stay held");
+    assert_eq!(committed(&h).last(), Some(&vec![(tp(0), 1)]));
+    // Its bucket takes no more: 8 is written after 1, 4 and 5.
+    h.send_of(0, [(8, "1"), (9, "3"), (10, "3"), (11, "3")]);
+    h.until(ms(50)).await;
+    assert_eq!(h.writes()[2].1, vec![1, 4, 5, 8, 9, 10, 11]);
+    assert_eq!(committed(&h).last(), Some(&vec![(tp(0), 12)]));
     h.stop().await;
 }
 

@@ -951,3 +951,83 @@ proptest! {
         prop_assert_eq!(placed, accepted, "held: the tail of the accepted events, in order");
     }
 }
+
+proptest! {
+    /// A held plan's `room` is exact: the held events and the next ones
+    /// that fit in it (each taken from it in turn) are all held again by
+    /// a plan of them together, and one more that does not fit makes the
+    /// plan write. So the stage, which holds trades that fit without
+    /// planning them, holds exactly what the writer would, no longer.
+    #[test]
+    fn a_held_plan_holds_again_what_fits_its_room(
+        count in 0u32..12,
+        open in proptest::bool::ANY,
+        pads in proptest::collection::vec(0usize..300, 1..30),
+        capacity in 1u32..12,
+        cap_bytes in 400u64..4_000,
+        partitions in 1i32..3,
+    ) {
+        let trades: Vec<Trade> = pads
+            .iter()
+            .enumerate()
+            .map(|(i, &pad)| sized_trade(5, &format!("k{i}"), 1_000 + i as i64, "MDB", pad))
+            .collect();
+        let sources: Vec<Source> = (0..trades.len())
+            .map(|i| src(i as i32 % partitions, i as i64))
+            .collect();
+        let events = events_of(&trades, &sources);
+        let limits = Limits { cap: capacity, cap_bytes };
+        let mut head = open.then(|| head_of("5_0000000900", count.min(capacity), capacity));
+        if let Some(h) = head.as_mut() {
+            h.size = Some(Size { bytes: 300, cap_bytes });
+        }
+        let plan = |n: usize| plan_holding(head.as_ref(), &events[..n], limits);
+        // The first plan that holds, as a batch ending there would.
+        let Some(n) = (1..=events.len()).find(|&n| !plan(n).held.is_empty()) else {
+            return Ok(());
+        };
+        let mut room = plan(n).room;
+        let written = plan(n).has_writes();
+        let fit = events[n..]
+            .iter()
+            .take_while(|ev| room.take(size::charge(ev.trade, ev.source)))
+            .count();
+        let again = plan(n + fit);
+        prop_assert_eq!(again.has_writes(), written, "what fits is held, not written");
+        prop_assert_eq!(again.held.len(), plan(n).held.len() + fit);
+        if n + fit < events.len() {
+            let over = plan(n + fit + 1);
+            let placed = |p: &CustomerPlan| {
+                p.fill.as_ref().map_or(0, |f| f.events.len())
+                    + p.new_buckets.iter().map(|b| b.events.len()).sum::<usize>()
+            };
+            prop_assert!(placed(&over) > placed(&again), "one that does not fit is written");
+        }
+    }
+}
+
+/// A bucket is full at exactly `capBytes`: a trade that would take it
+/// there does not fit in the room, and the plan writes it.
+#[test]
+fn a_trade_that_reaches_cap_bytes_exactly_does_not_fit() {
+    let (trades, sources) = run_of(2, 40);
+    let events = events_of(&trades, &sources);
+    let second = size::charge(events[1].trade, events[1].source);
+    let mut head = head_of("5_0000000900", 1, 10);
+    let after_first = 1_000 + size::charge(events[0].trade, events[0].source);
+    head.size = Some(Size {
+        bytes: 1_000,
+        cap_bytes: after_first + second,
+    });
+    let plan = plan_holding(Some(&head), &events[..1], cap(10));
+    assert_eq!(plan.held, vec![0]);
+    let mut room = plan.room;
+    assert_eq!(room.bytes, second - 1);
+    assert!(!room.take(second));
+    let plan = plan_holding(Some(&head), &events, cap(10));
+    assert_eq!(
+        plan.fill.map(|f| f.events),
+        Some(vec![0, 1]),
+        "it fills it up"
+    );
+}

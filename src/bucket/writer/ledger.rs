@@ -301,7 +301,7 @@ impl<'a> Ledger<'a> {
     /// duplicates, unplaceable.
     pub(super) fn planned(&mut self, plan: &CustomerPlan) {
         self.record(&plan.already_applied, Outcome::AlreadyApplied);
-        self.record(&plan.held, Outcome::Held);
+        self.record(&plan.held, Outcome::Held(plan.room));
         self.record(&plan.duplicates, Outcome::Duplicate);
         self.settle_copies(&plan.copies);
         for (i, why) in &plan.unplaceable {
@@ -352,7 +352,7 @@ impl<'a> Ledger<'a> {
                 Outcome::Written | Outcome::AlreadyApplied | Outcome::Duplicate => {
                     Outcome::Duplicate
                 }
-                Outcome::Held => Outcome::Held,
+                Outcome::Held(room) => Outcome::Held(*room),
                 Outcome::DeadLetter(_) | Outcome::Pending => continue,
             };
             self.record(&[copy], settled);

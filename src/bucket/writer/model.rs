@@ -32,7 +32,8 @@ use proptest::prelude::*;
 use super::{BucketWriter, Events, Outcome};
 use crate::bucket::db::BucketDb;
 use crate::bucket::id::Prefix;
-use crate::bucket::plan::LoadedHead;
+use crate::bucket::plan::{LoadedHead, Room};
+use crate::bucket::size;
 use crate::bucket::store::{
     head_from_document, FillOutcome, InsertOutcome, StatementError, StoreError, DUPLICATE_KEY,
 };
@@ -505,17 +506,31 @@ fn writing(
         } = config;
         let mut writer = BucketWriter::new(db, capacity, cache, Metrics::new());
         let from = *committed.lock().unwrap();
-        // Held trades, each with the batch it came in.
+        // Held trades, each with the batch it came in, and what each
+        // held customer's bucket takes.
         let mut held: Vec<(Sent, usize)> = Vec::new();
+        let mut rooms: HashMap<CustomerId, Room> = HashMap::new();
         for (k, batch) in batches.iter().enumerate().skip(from) {
-            let mut events: Vec<(Sent, usize)> = std::mem::take(&mut held);
+            let may_hold = (hold && k + 1 < batches.len()).then_some(0);
+            // As the stage: a held customer whose trades in the batch all
+            // fit in its bucket stays held, and they with it, unplanned.
+            if may_hold.is_none() {
+                rooms.clear();
+            }
+            let stays = staying_held(&mut rooms, batch);
+            let (kept, mut events): (Vec<_>, Vec<_>) = std::mem::take(&mut held)
+                .into_iter()
+                .partition(|((t, _), _)| stays.contains(&t.customer));
             // Written as the stage writes them: the held trades and the
             // batch's as two parts of one call.
             let held_before = events.len();
             events.extend(batch.iter().map(|e| (e.clone(), k)));
             let sent: Vec<Sent> = events.iter().map(|(e, _)| e.clone()).collect();
-            let may_hold = (hold && k + 1 < batches.len()).then_some(0);
-            let mut outcomes = vec![Outcome::Pending; sent.len()];
+            let mut outcomes = vec![Outcome::Pending; held_before];
+            outcomes.extend(batch.iter().map(|(t, _)| match stays.get(&t.customer) {
+                Some(_) => Outcome::Held(rooms[&t.customer]),
+                None => Outcome::Pending,
+            }));
             let mut attempts = 0;
             // A failed call is retried at once (the model needs no
             // backoff); faults are drawn at about one request in eight.
@@ -525,16 +540,37 @@ fn writing(
                 assert!(attempts < 200, "a batch never settles");
             }
             let mut claims = claims.lock().unwrap();
+            held = kept;
             for ((event, at), outcome) in events.into_iter().zip(outcomes) {
                 match outcome {
-                    Outcome::Held => held.push((event, at)),
+                    Outcome::Held(room) => {
+                        rooms.insert(event.0.customer.clone(), room);
+                        held.push((event, at));
+                    }
                     o => claims.push((event.0.key, o)),
                 }
             }
-            let oldest_held = held.first().map(|(_, at)| *at);
+            let oldest_held = held.iter().map(|(_, at)| *at).min();
             *committed.lock().unwrap() = oldest_held.unwrap_or(k + 1);
         }
     })
+}
+
+/// The held customers (those in `rooms`) whose trades in `batch` all fit
+/// in their bucket, as `pipeline::stage::held` finds them: each trade
+/// taken from its customer's room; a customer with one that does not fit
+/// leaves `rooms`, and its held trades are written with the batch.
+fn staying_held(rooms: &mut HashMap<CustomerId, Room>, batch: &[Sent]) -> HashSet<CustomerId> {
+    let mut over = HashSet::new();
+    for (trade, source) in batch {
+        if let Some(room) = rooms.get_mut(&trade.customer) {
+            if !room.take(size::charge(trade, source)) {
+                over.insert(trade.customer.clone());
+            }
+        }
+    }
+    rooms.retain(|c, _| !over.contains(c));
+    rooms.keys().cloned().collect()
 }
 
 /// How every writer of a case is set up.
@@ -829,7 +865,11 @@ fn a_copy_of_a_held_trade_is_held_not_settled() {
         (trade(1, 0, 1_000), at(1, 0)),
     ];
     let outcomes = write_once(&mut writer, &events, Some(0));
-    assert_eq!(outcomes, vec![Outcome::Held, Outcome::Held]);
+    assert!(matches!(outcomes[0], Outcome::Held(_)));
+    assert_eq!(
+        outcomes[1], outcomes[0],
+        "held with its first, in its bucket"
+    );
     assert!(db.db().docs.is_empty());
     // Written once the hold ends: the copy is a duplicate of a stored trade.
     let outcomes = write_once(&mut writer, &events, None);
