@@ -14,7 +14,7 @@
 //! was stale: the writer reloads the newest bucket and plans again, which
 //! those rules make idempotent.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use mongodb::bson::Bson;
 
@@ -142,7 +142,6 @@ pub struct Fill {
     pub events: Vec<usize>,
     /// Watermark advances (partition key -> offset), applied with `$max`.
     pub wm: BTreeMap<String, i64>,
-    pub tickers: BTreeSet<String>,
     /// What to add to the bucket's `bytes` (the sum of the events'
     /// [`size::charge`]); `None` for a legacy bucket, which has none.
     pub bytes: Option<u64>,
@@ -157,7 +156,6 @@ pub struct NewBucket {
     pub customer: Bson,
     pub events: Vec<usize>,
     pub wm: BTreeMap<String, i64>,
-    pub tickers: BTreeSet<String>,
     /// The limits it is opened with (`cap`, `capBytes`).
     pub limits: Limits,
     /// Its size bound (`bytes`): the empty bucket's exact size plus each
@@ -432,7 +430,6 @@ fn fill(head: &mut BucketHead, events: &[Event<'_>], legacy_cap: u32) -> Fill {
         expected_count: head.count,
         events: Vec::with_capacity(events.len()),
         wm: BTreeMap::new(),
-        tickers: BTreeSet::new(),
         bytes: head.size.map(|_| 0),
     };
     for ev in events {
@@ -441,7 +438,6 @@ fn fill(head: &mut BucketHead, events: &[Event<'_>], legacy_cap: u32) -> Fill {
         }
         fill.events.push(ev.index);
         advance(&mut fill.wm, ev.source);
-        add_ticker(&mut fill.tickers, &ev.trade.ticker);
         if let Some(b) = fill.bytes.as_mut() {
             *b += size::charge(ev.trade, ev.source);
         }
@@ -500,7 +496,6 @@ fn open_bucket(
         wm,
     };
     let mut taken = Vec::with_capacity(events.len());
-    let mut tickers = BTreeSet::new();
     for ev in events {
         // At least one event, however small the limits: a bucket is never
         // empty, and the caller's loop must advance.
@@ -508,7 +503,6 @@ fn open_bucket(
             break;
         }
         taken.push(ev.index);
-        add_ticker(&mut tickers, &ev.trade.ticker);
         after.push(ev);
     }
     let bucket = NewBucket {
@@ -517,7 +511,6 @@ fn open_bucket(
         customer: after.customer.clone(),
         events: taken,
         wm: after.wm.clone(),
-        tickers,
         limits,
         bytes: after.size.expect("opened with a size").bytes,
     };
@@ -542,14 +535,6 @@ fn advance(wm: &mut BTreeMap<String, i64>, source: &Source) {
         None => {
             wm.insert(source.partition_key(), source.offset);
         }
-    }
-}
-
-/// Adds `ticker` to `tickers`, copying it only if it is new (most events
-/// repeat a ticker their bucket already has).
-fn add_ticker(tickers: &mut BTreeSet<String>, ticker: &str) {
-    if !tickers.contains(ticker) {
-        tickers.insert(ticker.to_string());
     }
 }
 

@@ -178,7 +178,6 @@ mod tests {
                 customer,
                 events: Vec::new(),
                 wm: wm.clone(),
-                tickers: Default::default(),
                 limits: Limits::with_capacity(10),
                 bytes,
             };
@@ -200,7 +199,6 @@ mod tests {
             expected_count: 3,
             events: Vec::new(),
             wm: BTreeMap::new(),
-            tickers: Default::default(),
             bytes,
         };
         let inc = |f: &Fill| -> Document {

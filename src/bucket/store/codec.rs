@@ -1,7 +1,7 @@
 //! The bucket document as stored, and back: a new bucket, the guarded
 //! fill statement, and our view of a stored bucket (`BucketHead`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use mongodb::bson::{Bson, Document, RawBson, RawDocumentBuf};
 
@@ -111,7 +111,8 @@ pub fn fill_statement(
     trades: &[&Trade],
     shard_key: Option<&CustomerId>,
 ) -> RawDocumentBuf {
-    let mut out = BsonOut::with_capacity(fill_statement_size(fill, trades, shard_key));
+    let tickers = distinct_tickers(trades);
+    let mut out = BsonOut::with_capacity(fill_statement_size(fill, trades, &tickers, shard_key));
     let top = out.begin();
     let q = out.document("q");
     out.string("_id", &fill.bucket_id);
@@ -146,7 +147,7 @@ pub fn fill_statement(
     let add = out.document("$addToSet");
     let field = out.document("tickers");
     let each = out.array("$each");
-    tickers(&mut out, &fill.tickers);
+    write_tickers(&mut out, &tickers);
     out.end(each);
     out.end(field);
     out.end(add);
@@ -156,7 +157,12 @@ pub fn fill_statement(
 }
 
 /// The exact size of [`fill_statement`]'s document, field for field.
-fn fill_statement_size(fill: &Fill, trades: &[&Trade], shard_key: Option<&CustomerId>) -> usize {
+fn fill_statement_size(
+    fill: &Fill,
+    trades: &[&Trade],
+    tickers: &[&str],
+    shard_key: Option<&CustomerId>,
+) -> usize {
     let shard = match shard_key {
         Some(CustomerId::Int(_)) => element(SHARD_KEY_FIELD, 8),
         Some(CustomerId::Str(s)) => element(SHARD_KEY_FIELD, bson_out::string(s)),
@@ -168,10 +174,7 @@ fn fill_statement_size(fill: &Fill, trades: &[&Trade], shard_key: Option<&Custom
     let max: usize = watermarks(&fill.wm)
         .map(|(k, _)| element(Name::Joined("wm.", k), 8))
         .sum();
-    let add = element(
-        "tickers",
-        document(element("$each", tickers_size(&fill.tickers))),
-    );
+    let add = element("tickers", document(element("$each", tickers_size(tickers))));
     let u = element("$push", document(push))
         + element("$inc", document(inc))
         + element("$max", document(max))
@@ -182,7 +185,9 @@ fn fill_statement_size(fill: &Fill, trades: &[&Trade], shard_key: Option<&Custom
 /// A new bucket document, written in one buffer of its exact size.
 pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocumentBuf {
     let customer = CustomerValue::of(&bucket.customer);
-    let mut out = BsonOut::with_capacity(bucket_document_size(bucket, trades, &customer));
+    let tickers = distinct_tickers(trades);
+    let size = bucket_document_size(bucket, trades, &tickers, &customer);
+    let mut out = BsonOut::with_capacity(size);
     let top = out.begin();
     // Field for field what `size::empty_bucket` counts.
     out.string("_id", &bucket.id);
@@ -196,7 +201,7 @@ pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocumentBuf 
     history(&mut out, trades);
     out.end(array);
     let array = out.array("tickers");
-    tickers(&mut out, &bucket.tickers);
+    write_tickers(&mut out, &tickers);
     out.end(array);
     out.string("prev", &bucket.prev);
     let wm = out.document("wm");
@@ -209,7 +214,12 @@ pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocumentBuf 
 }
 
 /// The exact size of [`bucket_document`]'s document.
-fn bucket_document_size(bucket: &NewBucket, trades: &[&Trade], customer: &CustomerValue) -> usize {
+fn bucket_document_size(
+    bucket: &NewBucket,
+    trades: &[&Trade],
+    tickers: &[&str],
+    customer: &CustomerValue,
+) -> usize {
     let wm: usize = watermarks(&bucket.wm)
         .map(|(k, _)| element(k.as_str(), 8))
         .sum();
@@ -220,7 +230,7 @@ fn bucket_document_size(bucket: &NewBucket, trades: &[&Trade], customer: &Custom
         + element("capBytes", 8)
         + element("bytes", 8)
         + element("history", history_size(trades))
-        + element("tickers", tickers_size(&bucket.tickers))
+        + element("tickers", tickers_size(tickers))
         + element("prev", bson_out::string(&bucket.prev))
         + element("wm", document(wm));
     document(fields)
@@ -315,15 +325,26 @@ fn history_size(trades: &[&Trade]) -> usize {
     bson_out::array(trades.iter().map(|t| t.doc.as_bytes().len()))
 }
 
+/// The distinct tickers of `trades`, in byte order: a bucket's `tickers`
+/// field, or what a fill adds to it. Taken from the trades when the
+/// statement is written, not copied into sets as they are planned (a
+/// `String` and a tree node per ticker per bucket).
+fn distinct_tickers<'t>(trades: &[&'t Trade]) -> Vec<&'t str> {
+    let mut tickers: Vec<&str> = trades.iter().map(|t| t.ticker.as_str()).collect();
+    tickers.sort_unstable();
+    tickers.dedup();
+    tickers
+}
+
 /// The tickers as an array's string elements.
-fn tickers(out: &mut BsonOut, tickers: &BTreeSet<String>) {
+fn write_tickers(out: &mut BsonOut, tickers: &[&str]) {
     for (i, t) in tickers.iter().enumerate() {
         out.string(i, t);
     }
 }
 
-/// The bytes of the array [`tickers`] writes.
-fn tickers_size(tickers: &BTreeSet<String>) -> usize {
+/// The bytes of the array [`write_tickers`] writes.
+fn tickers_size(tickers: &[&str]) -> usize {
     bson_out::array(tickers.iter().map(|t| bson_out::string(t)))
 }
 

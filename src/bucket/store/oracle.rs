@@ -5,6 +5,8 @@
 //! stay byte for byte what it was, and the property tests below compare
 //! the two on generated fills, buckets and commands.
 
+use std::collections::BTreeSet;
+
 use mongodb::bson::{rawdoc, RawArrayBuf, RawBson, RawDocumentBuf};
 
 use super::layout::SHARD_KEY_FIELD;
@@ -21,7 +23,7 @@ pub(super) fn fill_statement(
     for (k, v) in &fill.wm {
         max.append(format!("wm.{k}"), *v);
     }
-    let tickers: RawArrayBuf = fill.tickers.iter().map(String::as_str).collect();
+    let tickers: RawArrayBuf = tickers_of(trades).into_iter().collect();
     let mut q = rawdoc! {"_id": fill.bucket_id.as_str(), "count": fill.expected_count as i64};
     match shard_key {
         Some(CustomerId::Int(i)) => q.append(SHARD_KEY_FIELD, *i),
@@ -51,7 +53,7 @@ pub(super) fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocum
     }
     let customer = RawBson::try_from(bucket.customer.clone())
         .expect("a customer id taken from BSON re-encodes as BSON");
-    let tickers: RawArrayBuf = bucket.tickers.iter().map(String::as_str).collect();
+    let tickers: RawArrayBuf = tickers_of(trades).into_iter().collect();
     rawdoc! {
         "_id": bucket.id.as_str(),
         "customerId": customer,
@@ -64,6 +66,12 @@ pub(super) fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocum
         "prev": bucket.prev.as_str(),
         "wm": wm,
     }
+}
+
+/// The tickers the planner collected from the trades (a set, in order),
+/// before the codec took them from the trades itself.
+fn tickers_of<'t>(trades: &[&'t Trade]) -> BTreeSet<&'t str> {
+    trades.iter().map(|t| t.ticker.as_str()).collect()
 }
 
 /// The previous `codec::history`, unchanged.

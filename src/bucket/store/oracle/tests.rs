@@ -1,7 +1,7 @@
 //! The store's encoder against the previous one ([`super`]): the same bytes
 //! for every generated fill, bucket and `update` command.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use mongodb::bson::{doc, Bson, DateTime, Document, RawDocumentBuf};
 use proptest::prelude::*;
@@ -43,7 +43,7 @@ fn value() -> impl Strategy<Value = Bson> {
 /// and up to a dozen fields of any size and nesting.
 fn trade() -> impl Strategy<Value = Trade> {
     let fields = prop::collection::vec((field_name(), value()), 0..12);
-    ("t:[a-z0-9]{1,20}", fields).prop_map(|(key, fields)| {
+    ("t:[a-z0-9]{1,20}", fields, ".{0,12}").prop_map(|(key, fields, ticker)| {
         let mut entry = doc! {"key": key.as_str()};
         for (k, v) in fields {
             entry.insert(k, v);
@@ -52,7 +52,7 @@ fn trade() -> impl Strategy<Value = Trade> {
             key,
             legacy_key: None,
             customer: CustomerId::Int(1),
-            ticker: String::new(),
+            ticker,
             date_ms: 0,
             doc: RawDocumentBuf::from_document(&entry).expect("no NUL in names"),
         }
@@ -77,10 +77,6 @@ fn watermarks() -> impl Strategy<Value = BTreeMap<String, i64>> {
     prop::collection::btree_map(key, any::<i64>(), 0..6)
 }
 
-fn tickers() -> impl Strategy<Value = BTreeSet<String>> {
-    prop::collection::btree_set(".{0,12}", 0..15)
-}
-
 fn shard_key() -> impl Strategy<Value = Option<CustomerId>> {
     prop_oneof![
         Just(None),
@@ -97,16 +93,15 @@ fn fill() -> impl Strategy<Value = Fill> {
         any::<u64>().prop_map(Some),
         Just(Some(u64::MAX))
     ];
-    (".{0,40}", counts, watermarks(), tickers(), bytes).prop_map(
-        |(bucket_id, expected_count, wm, tickers, bytes)| Fill {
+    (".{0,40}", counts, watermarks(), bytes).prop_map(|(bucket_id, expected_count, wm, bytes)| {
+        Fill {
             bucket_id,
             expected_count,
             events: Vec::new(),
             wm,
-            tickers,
             bytes,
-        },
-    )
+        }
+    })
 }
 
 /// A `customerId` as the decoder makes it, or as another tool may have
@@ -124,26 +119,16 @@ fn new_bucket() -> impl Strategy<Value = NewBucket> {
     let limits =
         (any::<u32>(), any::<u64>()).prop_map(|(cap, cap_bytes)| Limits { cap, cap_bytes });
     let texts = (".{0,40}", ".{0,40}");
-    let parts = (
-        texts,
-        customer(),
-        watermarks(),
-        tickers(),
+    let parts = (texts, customer(), watermarks(), limits, any::<u64>());
+    parts.prop_map(|((id, prev), customer, wm, limits, bytes)| NewBucket {
+        id,
+        prev,
+        customer,
+        events: Vec::new(),
+        wm,
         limits,
-        any::<u64>(),
-    );
-    parts.prop_map(
-        |((id, prev), customer, wm, tickers, limits, bytes)| NewBucket {
-            id,
-            prev,
-            customer,
-            events: Vec::new(),
-            wm,
-            tickers,
-            limits,
-            bytes,
-        },
-    )
+        bytes,
+    })
 }
 
 /// A write concern as `write::write_concern_doc` writes one.
@@ -236,7 +221,6 @@ fn a_watermark_key_holding_a_nul_is_left_out_not_a_panic() {
         expected_count: 3,
         events: Vec::new(),
         wm: wm.clone(),
-        tickers: BTreeSet::new(),
         bytes: Some(10),
     };
     let new = fill_statement(&fill(&bad), &[], None);
@@ -248,7 +232,6 @@ fn a_watermark_key_holding_a_nul_is_left_out_not_a_panic() {
         customer: Bson::Int64(7),
         events: Vec::new(),
         wm: wm.clone(),
-        tickers: BTreeSet::new(),
         limits: Limits::with_capacity(100),
         bytes: 200,
     };
