@@ -301,9 +301,9 @@ pub fn plan_customer_owned(
         .as_mut()
         .filter(|h| !h.is_full(limits.cap) && !rest.is_empty())
     {
-        if hold && !fills_up(h, rest, limits.cap) {
+        if let Some(room) = hold.then(|| room_after(h, rest, limits.cap)).flatten() {
             plan.held.extend(rest.iter().map(|ev| ev.index));
-            plan.room = room_after(h, rest, limits.cap);
+            plan.room = room;
             rest = &[];
         } else {
             let fill = fill(h, rest, limits.cap);
@@ -319,32 +319,15 @@ pub fn plan_customer_owned(
     plan
 }
 
-/// Whether appending `events` to the open bucket `head` would make it full
-/// (the fill stops there): [`BucketHead::is_full`] after them all, which
-/// grows with every event.
-fn fills_up(head: &BucketHead, events: &[Event<'_>], legacy_cap: u32) -> bool {
-    let count = head.count as usize + events.len();
-    let by_count = count >= head.cap.unwrap_or(legacy_cap) as usize;
-    by_count
-        || head.size.is_some_and(|s| {
-            let charged: u64 = events
-                .iter()
-                .map(|ev| size::charge(ev.trade, ev.source))
-                .sum();
-            s.bytes + charged >= s.cap_bytes
-        })
-}
-
-/// What the open bucket `head` takes once `events` (which do not fill it)
-/// are appended.
-fn room_after(head: &BucketHead, events: &[Event<'_>], legacy_cap: u32) -> Room {
+/// What the open bucket `head` still takes once `events` are appended,
+/// or `None` if they make it full (the fill stops there): its room by
+/// [`BucketHead::is_full`]'s limits, taken event by event.
+fn room_after(head: &BucketHead, events: &[Event<'_>], legacy_cap: u32) -> Option<Room> {
     let mut room = Room::left_in(head, legacy_cap);
-    for ev in events {
-        // They do not fill it, so each fits.
-        room.trades = room.trades.saturating_sub(1);
-        room.bytes = room.bytes.saturating_sub(size::charge(ev.trade, ev.source));
-    }
-    room
+    let fit = events
+        .iter()
+        .all(|ev| room.take(size::charge(ev.trade, ev.source)));
+    fit.then_some(room)
 }
 
 /// Opens the buckets `events` go to after `head` (the newest bucket, full
