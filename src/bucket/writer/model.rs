@@ -517,18 +517,18 @@ fn writing(
             if may_hold.is_none() {
                 rooms.clear();
             }
-            let stays = staying_held(&mut rooms, batch);
+            keep_what_fits(&mut rooms, batch);
             let (kept, mut events): (Vec<_>, Vec<_>) = std::mem::take(&mut held)
                 .into_iter()
-                .partition(|((t, _), _)| stays.contains(&t.customer));
+                .partition(|((t, _), _)| rooms.contains_key(&t.customer));
             // Written as the stage writes them: the held trades and the
             // batch's as two parts of one call.
             let held_before = events.len();
             events.extend(batch.iter().map(|e| (e.clone(), k)));
             let sent: Vec<Sent> = events.iter().map(|(e, _)| e.clone()).collect();
             let mut outcomes = vec![Outcome::Pending; held_before];
-            outcomes.extend(batch.iter().map(|(t, _)| match stays.get(&t.customer) {
-                Some(_) => Outcome::Held(rooms[&t.customer]),
+            outcomes.extend(batch.iter().map(|(t, _)| match rooms.get(&t.customer) {
+                Some(&room) => Outcome::Held(room),
                 None => Outcome::Pending,
             }));
             let mut attempts = 0;
@@ -556,11 +556,11 @@ fn writing(
     })
 }
 
-/// The held customers (those in `rooms`) whose trades in `batch` all fit
-/// in their bucket, as `pipeline::stage::held` finds them: each trade
+/// Keeps in `rooms` (the held customers) those whose trades in `batch` all
+/// fit in their bucket, as `pipeline::stage::held` finds them: each trade
 /// taken from its customer's room; a customer with one that does not fit
 /// leaves `rooms`, and its held trades are written with the batch.
-fn staying_held(rooms: &mut HashMap<CustomerId, Room>, batch: &[Sent]) -> HashSet<CustomerId> {
+fn keep_what_fits(rooms: &mut HashMap<CustomerId, Room>, batch: &[Sent]) {
     let mut over = HashSet::new();
     for (trade, source) in batch {
         if let Some(room) = rooms.get_mut(&trade.customer) {
@@ -570,7 +570,6 @@ fn staying_held(rooms: &mut HashMap<CustomerId, Room>, batch: &[Sent]) -> HashSe
         }
     }
     rooms.retain(|c, _| !over.contains(c));
-    rooms.keys().cloned().collect()
 }
 
 /// How every writer of a case is set up.
