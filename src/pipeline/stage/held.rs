@@ -120,14 +120,21 @@ impl HeldTrades {
         }
         let outcomes = events
             .iter()
-            .map(|(trade, _)| match self.lists.get(&trade.customer) {
-                Some(list) if list.overflows => {
-                    let list = self.lists.remove(&trade.customer).expect("just found");
-                    taken.extend(list.trades);
-                    Outcome::Pending
+            .map(|(trade, _)| {
+                let customer = &trade.customer;
+                match self.lists.get(customer).map(|l| (l.overflows, l.room)) {
+                    Some((false, room)) => Outcome::Held(room),
+                    Some((true, _)) => {
+                        taken.extend(
+                            self.lists
+                                .remove(customer)
+                                .into_iter()
+                                .flat_map(|l| l.trades),
+                        );
+                        Outcome::Pending
+                    }
+                    None => Outcome::Pending,
                 }
-                Some(list) => Outcome::Held(list.room),
-                None => Outcome::Pending,
             })
             .collect();
         self.count -= taken.len();
