@@ -45,8 +45,10 @@ pub(super) struct TradeFields {
     pub(super) price: Option<Decimal128>,
     pub(super) currency: Option<Currency>,
     pub(super) date: Option<(i64, Option<i32>)>,
-    /// Fields of no meaning to us, kept as they are.
-    pub(super) extras: Document,
+    /// Fields of no meaning to us, kept as they are. Made at the first:
+    /// an empty `Document` costs a hasher's random seed (its map's), and
+    /// nearly every trade has no extras.
+    pub(super) extras: Option<Document>,
 }
 
 impl TradeFields {
@@ -82,7 +84,9 @@ impl TradeFields {
             .map_err(|e| Reject::new(RejectKind::NotJson, e.to_string()))?;
         check_nested_names(&value, name)?;
         let value = Bson::try_from(value).map_err(|e| field_err(name, &e.to_string()))?;
-        self.extras.insert(name.to_string(), value);
+        self.extras
+            .get_or_insert_with(Document::new)
+            .insert(name.to_string(), value);
         Ok(())
     }
 
@@ -198,13 +202,13 @@ fn id_text(key: &str) -> &str {
 /// field by field, straight into the bytes the writer sends: a `Document`
 /// first (a map of boxed values) and then its encoding cost an allocation
 /// per field and a second pass, per event.
-fn entry(head: &Head<'_>, extras: Document, key: &str) -> Result<RawDocumentBuf, Reject> {
+fn entry(head: &Head<'_>, extras: Option<Document>, key: &str) -> Result<RawDocumentBuf, Reject> {
     let mut w = EntryWriter::with_capacity(head.len(key));
     head.write(&mut w, key);
-    if extras.is_empty() {
+    let Some(extras) = extras.filter(|e| !e.is_empty()) else {
         w.string("key", key);
         return w.finish();
-    }
+    };
     // Every name appended is an extra's, which `check_field_name` keeps
     // free of NUL (the one thing `append` refuses, by panicking).
     let mut doc = w.finish()?;

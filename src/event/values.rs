@@ -195,7 +195,21 @@ pub(super) fn parse_currency(raw: &str) -> Result<Currency, Reject> {
 /// JSON number grammar (RFC 8259): what both `price` strings and numbers
 /// must look like. Rules out NaN, Infinity, hex, '+', spaces and ".5".
 pub(super) fn is_json_number(s: &str) -> bool {
-    let b = s.as_bytes();
+    // The usual number first, in one pass: a plain integer (`customerId`,
+    // `qty`, a `date` in milliseconds).
+    is_plain_integer(s.as_bytes()) || follows_number_grammar(s.as_bytes())
+}
+
+/// An optional '-', then digits not led by a zero: a JSON number.
+fn is_plain_integer(b: &[u8]) -> bool {
+    match b.strip_prefix(b"-").unwrap_or(b) {
+        [b'1'..=b'9', rest @ ..] => rest.iter().all(u8::is_ascii_digit),
+        _ => false,
+    }
+}
+
+/// RFC 8259's number grammar, step by step.
+fn follows_number_grammar(b: &[u8]) -> bool {
     let mut i = 0;
     if b.get(i) == Some(&b'-') {
         i += 1;
@@ -412,4 +426,45 @@ pub(super) fn parse_date(raw: &str) -> Result<(i64, Option<i32>), Reject> {
         return Err(range_err());
     }
     Ok((ms, offset))
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// The shortcut says yes only to what the grammar says yes to, and
+        /// to every plain integer the grammar takes.
+        #[test]
+        fn a_plain_integer_follows_the_number_grammar(s in "-?[0-9]{0,4}[0-9+.eE-]{0,4}") {
+            let b = s.as_bytes();
+            if is_plain_integer(b) {
+                prop_assert!(follows_number_grammar(b), "{}", s);
+            }
+            let digits = b.strip_prefix(b"-").unwrap_or(b);
+            let integer = !digits.is_empty() && digits.iter().all(u8::is_ascii_digit);
+            if integer && !digits.starts_with(b"0") {
+                prop_assert!(is_plain_integer(b), "{}", s);
+            }
+        }
+    }
+
+    #[test]
+    fn leading_zeros_and_lone_signs_are_left_to_the_grammar() {
+        for (text, number) in [
+            ("0", true),
+            ("-0", true),
+            ("01", false),
+            ("-", false),
+            ("", false),
+            ("-12", true),
+            ("1.5", true),
+            ("1e", false),
+        ] {
+            assert!(!is_plain_integer(text.as_bytes()) || number, "{text}");
+            assert_eq!(is_json_number(text), number, "{text}");
+        }
+    }
 }
