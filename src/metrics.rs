@@ -54,6 +54,10 @@ const ASSIGNED_PARTITIONS: Def = (
     "tradebucket_assigned_partitions",
     "Partitions currently assigned to this instance.",
 );
+const SOURCE_PARTITIONS: Def = (
+    "tradebucket_source_partitions",
+    "Partitions of the source topics, as this instance's Kafka client knows them from the cluster's metadata.",
+);
 const STALLED_PARTITIONS: Def = (
     "tradebucket_stalled_partitions",
     "Assigned partitions with records waiting that the consumer has not read for timeouts.partition_stall.",
@@ -142,6 +146,9 @@ pub struct Metrics {
     pub in_flight_events: IntGauge,
     pub held_trades: IntGauge,
     pub assigned_partitions: IntGauge,
+    /// Compared with the group's assigned partitions, it shows partitions
+    /// no member reads: no member reports such a partition's lag.
+    pub source_partitions: IntGauge,
     pub stalled_partitions: IntGauge,
     /// 1 when `/readyz` answers 200; set at each scrape, so alerts see
     /// exactly what the probe sees.
@@ -180,6 +187,7 @@ impl Metrics {
             in_flight_events: gauge(&r, IN_FLIGHT_EVENTS),
             held_trades: gauge(&r, HELD_TRADES),
             assigned_partitions: gauge(&r, ASSIGNED_PARTITIONS),
+            source_partitions: gauge(&r, SOURCE_PARTITIONS),
             stalled_partitions: gauge(&r, STALLED_PARTITIONS),
             ready: gauge(&r, READY),
             throttled_seconds: register(

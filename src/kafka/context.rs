@@ -126,6 +126,9 @@ impl ClientContext for ConsumerCtx {
             Ok(owned) => owned.clone(),
             Err(_) => return,
         };
+        self.metrics
+            .source_partitions
+            .set(source_partitions(&stats) as i64);
         for (topic, t) in &stats.topics {
             for (partition, p) in &t.partitions {
                 // -1 is librdkafka's "unknown" (and the internal UA partition).
@@ -272,6 +275,17 @@ impl ConsumerCtx {
             .consumer_lag
             .remove_label_values(&[topic, &partition.to_string()]);
     }
+}
+
+/// The partitions of the topics the statistics list (the consumer's
+/// source topics), `-1` (librdkafka's unknown and internal partition)
+/// left out.
+fn source_partitions(stats: &Statistics) -> usize {
+    stats
+        .topics
+        .values()
+        .map(|t| t.partitions.keys().filter(|&&p| p >= 0).count())
+        .sum()
 }
 
 /// Logs a readiness reason set by the statistics when it appears

@@ -297,6 +297,20 @@ async fn a_group_moves_from_the_classic_to_the_consumer_protocol_member_by_membe
         || async { consumer.metrics.assigned_partitions.get() > 0 },
     )
     .await;
+    // What `TradebucketPartitionsUnassigned` compares: the members'
+    // assigned partitions add up to the topic's, which each member knows
+    // from its client's metadata (statistics, every 5 s).
+    eventually(
+        "the two members own the topic's 4 partitions between them",
+        T,
+        || async {
+            let (a, b) = (&classic.metrics, &consumer.metrics);
+            a.assigned_partitions.get() + b.assigned_partitions.get() == 4
+                && a.source_partitions.get() == 4
+                && b.source_partitions.get() == 4
+        },
+    )
+    .await;
     env.produce_json(&events[200..400]).await;
     env.wait_committed_to_end(T).await;
     let first = classic.stop().await;
