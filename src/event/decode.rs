@@ -45,9 +45,9 @@ pub(super) struct TradeFields {
     pub(super) price: Option<Decimal128>,
     pub(super) currency: Option<Currency>,
     pub(super) date: Option<(i64, Option<i32>)>,
-    /// Fields of no meaning to us, kept as they are. Made at the first:
-    /// an empty `Document` costs a hasher's random seed (its map's), and
-    /// nearly every trade has no extras.
+    /// Fields of no meaning to us, kept as they are. Made at the first, so
+    /// never empty: an empty `Document` costs a hasher's random seed (its
+    /// map's), and nearly every trade has no extras.
     pub(super) extras: Option<Document>,
 }
 
@@ -205,7 +205,7 @@ fn id_text(key: &str) -> &str {
 fn entry(head: &Head<'_>, extras: Option<Document>, key: &str) -> Result<RawDocumentBuf, Reject> {
     let mut w = EntryWriter::with_capacity(head.len(key));
     head.write(&mut w, key);
-    let Some(extras) = extras.filter(|e| !e.is_empty()) else {
+    let Some(extras) = extras else {
         w.string("key", key);
         return w.finish();
     };
