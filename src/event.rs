@@ -14,6 +14,7 @@
 
 use std::fmt;
 
+use compact_str::CompactString;
 use mongodb::bson::{self, Bson, Document, RawDocumentBuf};
 
 /// Latest instant whose epoch seconds still have ten digits. Bucket `_id`s
@@ -300,15 +301,19 @@ pub struct Trade {
     /// `o:<topic>/<partition>/<offset>` of the position it was first read
     /// at (for a replay, the position `tradebucket.replay.of` names, so a
     /// replay and its original are one trade to the unique index).
-    /// Stored as `history.key` under a unique index.
-    pub key: String,
+    /// Stored as `history.key` under a unique index. Inline up to 24
+    /// bytes (`t:` and an id of up to 22), as the ticker is: the write
+    /// stage reads both for every event, and a block of their own was an
+    /// allocation each and a cache miss each (docs/benchmarks.md,
+    /// "Session 35").
+    pub key: CompactString,
     /// The key an earlier version stored this trade under, if it had
     /// another: `r:<original position>` for a replay without `tradeId`
     /// (before replays took their original's `o:` key). The writer looks
     /// it up, so a trade replayed before an upgrade is not stored again.
     pub legacy_key: Option<String>,
     pub customer: CustomerId,
-    pub ticker: String,
+    pub ticker: CompactString,
     /// UTC milliseconds since the epoch.
     pub date_ms: i64,
     /// The history entry as stored (includes `key`), already encoded: the
@@ -354,11 +359,11 @@ pub enum Identity<'a> {
 }
 
 impl Identity<'_> {
-    fn key(self) -> String {
+    fn key(self) -> CompactString {
         let s = match self {
             Identity::Read(s) | Identity::ReplayOf(s) => s,
         };
-        position_key("o", s)
+        position_key("o", s).into()
     }
 
     /// The key a version before issue #46 stored a replay under.

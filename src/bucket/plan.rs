@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use compact_str::CompactString;
 use mongodb::bson::Bson;
 
 use super::id::{Position, Prefix};
@@ -59,7 +60,7 @@ pub struct Size {
 /// resistance to chosen collisions is not needed: the set holds one
 /// bucket's keys, at most `buckets.capacity` (1,000), so colliding keys
 /// cost a producer no more than a bucket's worth of comparisons.
-pub type KeySet = HashSet<String, foldhash::fast::RandomState>;
+pub type KeySet = HashSet<CompactString, foldhash::fast::RandomState>;
 
 /// What we know of a customer's newest bucket.
 #[derive(Debug, Clone, PartialEq)]
@@ -387,11 +388,11 @@ fn classify<'a>(
     let mut seen: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
     for ev in events {
         let applied =
-            !known.not_stored.contains(&ev.trade.key) && head.is_some_and(|h| h.covers(ev.source));
+            !known.not_stored.contains(ev.trade.key.as_str()) && head.is_some_and(|h| h.covers(ev.source));
         if applied {
             plan.already_applied.push(ev.index);
-        } else if head.is_some_and(|h| h.keys.contains(&ev.trade.key))
-            || known.elsewhere.contains(&ev.trade.key)
+        } else if head.is_some_and(|h| h.keys.contains(ev.trade.key.as_str()))
+            || known.elsewhere.contains(ev.trade.key.as_str())
         {
             plan.duplicates.push(ev.index);
         } else if let Some(&first) = seen.get(ev.trade.key.as_str()) {

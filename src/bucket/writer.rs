@@ -451,7 +451,7 @@ impl<S: BucketDb> BucketWriter<S> {
             .flat_map(|&p| {
                 let customer = round.customer(p);
                 let keys = round.fill(p).events.iter().map(|&i| &ledger.trade(i).key);
-                keys.map(move |k| (customer.clone(), k.clone()))
+                keys.map(move |k| (customer.clone(), k.to_string()))
             })
             .collect();
         let found = self.find_keys(&wanted).await?;

@@ -3,6 +3,7 @@
 //! other fields kept as they are, after the checks that keep a bucket
 //! storable (field names, nesting depth, the entry's size).
 
+use compact_str::CompactString;
 use mongodb::bson::spec::ElementType;
 use mongodb::bson::{Bson, Decimal128, Document, RawBson, RawDocumentBuf};
 
@@ -40,7 +41,7 @@ pub(super) struct TradeFields {
     pub(super) trade_id: Option<TradeId>,
     pub(super) customer: Option<CustomerId>,
     pub(super) side: Option<&'static str>,
-    pub(super) ticker: Option<String>,
+    pub(super) ticker: Option<CompactString>,
     pub(super) qty: Option<Qty>,
     pub(super) price: Option<Decimal128>,
     pub(super) currency: Option<Currency>,

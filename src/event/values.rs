@@ -10,6 +10,7 @@ use std::borrow::Cow;
 use std::fmt::Write;
 
 use chrono::{DateTime, FixedOffset};
+use compact_str::CompactString;
 use mongodb::bson::Decimal128;
 
 use super::*;
@@ -30,7 +31,7 @@ pub(super) fn json_string(raw: &str) -> Option<Cow<'_, str>> {
 /// text id is stored as the key's text after `t:`), and for an integer id
 /// the integer, which is what is stored then.
 pub(super) struct TradeId {
-    pub(super) key: String,
+    pub(super) key: CompactString,
     pub(super) int: Option<i64>,
 }
 
@@ -80,16 +81,16 @@ fn string_trade_id(s: &str) -> Result<TradeId, Reject> {
     if control {
         return Err(field_err("tradeId", "must not contain control characters"));
     }
-    let mut key = String::with_capacity(2 + s.len());
+    let mut key = CompactString::with_capacity(2 + s.len());
     key.push_str("t:");
     key.push_str(s);
     Ok(TradeId { key, int: None })
 }
 
 fn int_trade_id(i: i64) -> TradeId {
-    let mut key = String::with_capacity(22);
-    // Writing to a String cannot fail.
-    let _ = write!(key, "t:{i}");
+    let mut key = CompactString::const_new("t:");
+    // Writing to a string cannot fail; 19 digits at most, so inline.
+    let _ = write!(key, "{i}");
     TradeId { key, int: Some(i) }
 }
 
@@ -154,7 +155,7 @@ pub(super) fn parse_side(raw: &str) -> Result<&'static str, Reject> {
     }
 }
 
-pub(super) fn parse_ticker(raw: &str) -> Result<String, Reject> {
+pub(super) fn parse_ticker(raw: &str) -> Result<CompactString, Reject> {
     let s = json_string(raw).ok_or_else(|| field_err("ticker", "must be a string"))?;
     if s.is_empty()
         || s.len() > MAX_TICKER_LEN
@@ -167,7 +168,8 @@ pub(super) fn parse_ticker(raw: &str) -> Result<String, Reject> {
             "must be 1 to 16 of A-Z, 0-9, '.' and '-'",
         ));
     }
-    Ok(s.into_owned())
+    // At most 16 bytes: inline.
+    Ok(CompactString::from(&*s))
 }
 
 /// An ISO 4217 code, three ASCII capitals, held without an allocation.

@@ -465,7 +465,7 @@ impl Check<'_> {
         let max = self.settings.kafka.max_message_bytes;
         let mapping = self.mappings.get(&r.at.topic).map(AsRef::as_ref);
         match self.formats.decode(r.parts(), mapping, &r.at, max, None) {
-            Decode::Done(trade) => r.trade = trade.ok().map(|t| (t.customer, t.key)),
+            Decode::Done(trade) => r.trade = trade.ok().map(|t| (t.customer, t.key.into())),
             Decode::Missing(id) => r.pending = Some(id),
         }
         r
@@ -482,7 +482,7 @@ impl Check<'_> {
                 .formats
                 .decode_now(r.parts(), mapping, &r.at, max, wait)
                 .await?;
-            r.trade = trade.ok().map(|t| (t.customer, t.key));
+            r.trade = trade.ok().map(|t| (t.customer, t.key.into()));
             r.pending = None;
         }
         Ok(())

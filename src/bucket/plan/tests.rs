@@ -33,10 +33,10 @@ fn trade(customer: i64, key: &str, secs: i64, ticker: &str) -> Trade {
 fn sized_trade(customer: i64, key: &str, secs: i64, ticker: &str, pad: usize) -> Trade {
     let pad = "x".repeat(pad);
     Trade {
-        key: key.to_string(),
+        key: key.into(),
         legacy_key: None,
         customer: CustomerId::Int(customer),
-        ticker: ticker.to_string(),
+        ticker: ticker.into(),
         date_ms: secs * 1000,
         doc: rawdoc! {"key": key, "date": DateTime::from_millis(secs * 1000), "pad": pad},
     }
@@ -100,7 +100,7 @@ fn fills_the_open_bucket_then_opens_successors_in_order() {
         count: 8,
         cap: Some(10),
         size: None,
-        keys: ["k0".to_string()].into_iter().collect(),
+        keys: ["k0".into()].into_iter().collect(),
         wm: [("t~x:0".to_string(), 9)].into_iter().collect(),
     };
     // 5 events, same second as the head: 2 fill it, 3 open a successor
@@ -139,7 +139,7 @@ fn skips_what_the_watermark_and_keys_say_is_stored() {
         count: 3,
         cap: Some(10),
         size: None,
-        keys: ["dup-in-bucket".to_string()].into_iter().collect(),
+        keys: ["dup-in-bucket".into()].into_iter().collect(),
         wm: [("t~x:0".to_string(), 20)].into_iter().collect(),
     };
     let trades = [
@@ -429,7 +429,7 @@ impl Model {
             count: b.history.len() as u32,
             cap: b.cap,
             size: b.size,
-            keys: b.history.iter().cloned().collect(),
+            keys: b.history.iter().map(|k| k.as_str().into()).collect(),
             wm: b.wm.clone(),
         })
     }
@@ -444,13 +444,13 @@ impl Model {
         if trades.iter().any(|t| {
             self.docs
                 .iter()
-                .any(|(id, b)| *id != f.bucket_id && b.history.contains(&t.key))
+                .any(|(id, b)| *id != f.bucket_id && b.history.iter().any(|k| *k == t.key))
         }) {
             return false;
         }
         match self.docs.get_mut(&f.bucket_id) {
             Some(b) if b.history.len() as u32 == f.expected_count => {
-                b.history.extend(trades.iter().map(|t| t.key.clone()));
+                b.history.extend(trades.iter().map(|t| t.key.to_string()));
                 for (k, v) in &f.wm {
                     let e = b.wm.entry(k.clone()).or_insert(*v);
                     *e = (*e).max(*v);
@@ -483,7 +483,7 @@ impl Model {
             nb.id.clone(),
             ModelBucket {
                 prev: nb.prev.clone(),
-                history: trades.iter().map(|t| t.key.clone()).collect(),
+                history: trades.iter().map(|t| t.key.to_string()).collect(),
                 wm: nb.wm.clone(),
                 cap: Some(nb.limits.cap),
                 size: Some(Size {
@@ -521,7 +521,7 @@ fn apply_fill(d: &mut Document, f: &Fill, trades: &[&Trade]) {
     }
     let tickers = d.get_array_mut("tickers").expect("tickers");
     for t in trades {
-        let t = Bson::String(t.ticker.clone());
+        let t = Bson::String(t.ticker.to_string());
         if !tickers.contains(&t) {
             tickers.push(t);
         }
@@ -575,7 +575,7 @@ fn write_batch(
             cache.remove(&customer);
             for ev in &events {
                 if model.key_exists(&ev.trade.key) {
-                    known.elsewhere.insert(ev.trade.key.clone());
+                    known.elsewhere.insert(ev.trade.key.to_string());
                 }
             }
         }
@@ -804,8 +804,8 @@ proptest! {
         // No legacy bucket here: both limits would claim it.
         check_invariants(&model, 0, max_charge(&stream));
         check_stream_order(&model, &stream);
-        let stored: HashSet<&String> = model.docs.values().flat_map(|b| &b.history).collect();
-        let sent: HashSet<&String> = stream.iter().map(|(t, _)| &t.key).collect();
+        let stored: HashSet<&str> = model.docs.values().flat_map(|b| &b.history).map(String::as_str).collect();
+        let sent: HashSet<&str> = stream.iter().map(|(t, _)| t.key.as_str()).collect();
         prop_assert_eq!(stored, sent);
     }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use compact_str::CompactString;
 use mongodb::bson::{Bson, Document, RawBson, RawDocumentBuf};
 
 use super::bson_out::{self, document, element, BsonOut, Name};
@@ -45,7 +46,7 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, UnreadableBucket> 
         .map(|a| a.as_slice())
         .unwrap_or(&[])
         .iter()
-        .filter_map(|e| e.as_document()?.get_str("key").ok().map(str::to_string))
+        .filter_map(|e| e.as_document()?.get_str("key").ok().map(CompactString::from))
         .collect();
     let mut wm = BTreeMap::new();
     if let Ok(w) = d.get_document("wm") {

@@ -67,7 +67,7 @@ mod tests {
 
     fn event(offset: i64) -> (Trade, Source) {
         let trade = Trade {
-            key: format!("o:t/0/{offset}"),
+            key: format!("o:t/0/{offset}").into(),
             legacy_key: None,
             customer: CustomerId::Int(1),
             ticker: "X".into(),

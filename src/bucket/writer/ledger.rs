@@ -190,7 +190,7 @@ impl<'a> Ledger<'a> {
         head_of: impl Fn(&CustomerId) -> Option<&'h BucketHead>,
     ) -> ByKey<'a> {
         let below = |head: &BucketHead, (trade, source): &(Trade, Source)| {
-            head.covers(source) && !head.keys.contains(&trade.key)
+            head.covers(source) && !head.keys.contains(trade.key.as_str())
         };
         let (pending, outcomes) = (&self.pending, &*self.outcomes);
         let asked = &mut self.verified;
@@ -264,7 +264,7 @@ impl<'a> Ledger<'a> {
             .entry(trade.customer.clone())
             .or_default()
             .not_stored
-            .insert(trade.key.clone());
+            .insert(trade.key.to_string());
     }
 
     /// Plans `customer`, whose pending events are `idx`, against `head`

@@ -421,10 +421,10 @@ fn trade(customer: i64, id: u32, secs: i64) -> Trade {
     let key = format!("t:{customer}-{id}");
     Trade {
         doc: rawdoc! {"key": key.as_str(), "date": DateTime::from_millis(secs * 1000)},
-        key,
+        key: key.into(),
         legacy_key: None,
         customer: CustomerId::Int(customer),
-        ticker: if id.is_multiple_of(2) { "A" } else { "B" }.to_string(),
+        ticker: if id.is_multiple_of(2) { "A" } else { "B" }.into(),
         date_ms: secs * 1000,
     }
 }
@@ -547,7 +547,7 @@ fn writing(
                         rooms.insert(event.0.customer.clone(), room);
                         held.push((event, at));
                     }
-                    o => claims.push((event.0.key, o)),
+                    o => claims.push((event.0.key.to_string(), o)),
                 }
             }
             let oldest_held = held.iter().map(|(_, at)| *at).min();
@@ -708,7 +708,7 @@ proptest! {
         let poison: HashSet<String> = parts
             .iter()
             .flatten()
-            .map(|(t, _)| t.key.clone())
+            .map(|(t, _)| t.key.to_string())
             .filter(|k| poison_every.is_some_and(|n| trade_number(k) % n == n - 1))
             .collect();
         let db = ModelDb::with_faults(script, poison.clone());
@@ -727,13 +727,13 @@ proptest! {
                 other => prop_assert!(false, "{key}: {other:?}"),
             }
         }
-        let sent: HashSet<&String> = parts
+        let sent: HashSet<&str> = parts
             .iter()
             .flatten()
-            .map(|(t, _)| &t.key)
+            .map(|(t, _)| t.key.as_str())
             .filter(|k| !poison.contains(*k))
             .collect();
-        let kept: HashSet<&String> = stored.keys().collect();
+        let kept: HashSet<&str> = stored.keys().map(String::as_str).collect();
         prop_assert_eq!(kept, sent);
         check_chains(&db, capacity);
     }

@@ -212,10 +212,10 @@ impl TradeFields {
         doc.append("key", key.as_str());
         check_entry_size(&doc)?;
         Ok(Trade {
-            key,
+            key: key.into(),
             legacy_key,
             customer,
-            ticker,
+            ticker: ticker.into(),
             date_ms,
             doc,
         })

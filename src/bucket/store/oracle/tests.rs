@@ -49,10 +49,10 @@ fn trade() -> impl Strategy<Value = Trade> {
             entry.insert(k, v);
         }
         Trade {
-            key,
+            key: key.into(),
             legacy_key: None,
             customer: CustomerId::Int(1),
-            ticker,
+            ticker: ticker.into(),
             date_ms: 0,
             doc: RawDocumentBuf::from_document(&entry).expect("no NUL in names"),
         }

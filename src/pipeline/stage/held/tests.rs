@@ -6,7 +6,7 @@ use super::*;
 
 fn event(customer: i64, offset: i64) -> (Trade, Source) {
     let trade = Trade {
-        key: format!("k{offset}"),
+        key: format!("k{offset}").into(),
         legacy_key: None,
         customer: CustomerId::Int(customer),
         ticker: "MDB".into(),
