@@ -61,7 +61,7 @@ use tradebucket::cli::{synthetic_event, ProduceOptions};
 use tradebucket::config::Settings;
 use tradebucket::event::{CustomerId, Mappings, Source, Trade};
 use tradebucket::metrics::Metrics;
-use tradebucket::pipeline::{decode_batch, Decoded, Record};
+use tradebucket::pipeline::{decode_batch, Decoded, Record, RecordKey};
 use tradebucket::registry::{Formats, RawSchema, Schema};
 
 mod alloc;
@@ -244,7 +244,7 @@ fn stage_intake(topic: &str, wire: &[Wire]) -> Vec<Record> {
         records.push(Record {
             tp: (topic.clone(), w.partition),
             offset: w.offset,
-            key: Some(w.key.to_vec()),
+            key: Some(RecordKey::from_slice(&w.key)),
             payload: Some(w.payload.to_vec()),
             // The generator sends none: `headers::read` of none is empty.
             headers: Vec::new(),

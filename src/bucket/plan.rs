@@ -387,8 +387,8 @@ fn classify<'a>(
     // foldhash, as `KeySet` and for its reason: every event's key goes in.
     let mut seen: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
     for ev in events {
-        let applied =
-            !known.not_stored.contains(ev.trade.key.as_str()) && head.is_some_and(|h| h.covers(ev.source));
+        let applied = !known.not_stored.contains(ev.trade.key.as_str())
+            && head.is_some_and(|h| h.covers(ev.source));
         if applied {
             plan.already_applied.push(ev.index);
         } else if head.is_some_and(|h| h.keys.contains(ev.trade.key.as_str()))

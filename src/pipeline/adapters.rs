@@ -15,7 +15,9 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 
-use super::seams::{BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record, SendError};
+use super::seams::{
+    BucketSink, Commit, ConsumerError, DeadLetterSink, Intake, Record, RecordKey, SendError,
+};
 use crate::bucket::store::{BucketStore, StoreError};
 use crate::bucket::writer::{BucketWriter, Events, Outcome, WriteStats};
 use crate::config::{Settings, TimeoutSettings};
@@ -122,7 +124,7 @@ impl Intake for KafkaIntake {
         Ok(Record {
             tp: (topic, m.partition()),
             offset: m.offset(),
-            key: m.key().map(<[u8]>::to_vec),
+            key: m.key().map(RecordKey::from_slice),
             payload: m.payload().map(<[u8]>::to_vec),
             headers: kafka::headers::read(m.headers()),
             timestamp_ms: m.timestamp().to_millis(),

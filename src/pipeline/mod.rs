@@ -19,7 +19,7 @@ mod tests;
 mod worker;
 
 use adapters::{watch_mongodb, watch_partitions, KafkaDeadLetters, KafkaIntake};
-pub use seams::Record;
+pub use seams::{Record, RecordKey};
 // For benches/hotpath/, which measures decoding a batch without servers.
 #[doc(hidden)]
 pub use stage::{decode_batch, Decoded};

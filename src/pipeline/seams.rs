@@ -57,12 +57,16 @@ pub(crate) enum SendError {
     Failed(String),
 }
 
+/// A record's key: up to 16 bytes (a customer id, the usual key) inline,
+/// so it costs no allocation of its own.
+pub type RecordKey = smallvec::SmallVec<[u8; 16]>;
+
 /// A consumed record, detached from the consumer's buffer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record {
     pub tp: TopicPartition,
     pub offset: i64,
-    pub key: Option<Vec<u8>>,
+    pub key: Option<RecordKey>,
     pub payload: Option<Vec<u8>>,
     /// Names and values as bytes: Kafka allows any (see `kafka::headers`).
     pub headers: Vec<Header>,
@@ -77,7 +81,7 @@ impl Record {
     pub fn size(&self) -> usize {
         let len = |b: &Option<Vec<u8>>| b.as_ref().map_or(0, Vec::len);
         let headers: usize = self.headers.iter().map(|(n, v)| n.len() + len(v)).sum();
-        len(&self.payload) + len(&self.key) + headers
+        len(&self.payload) + self.key.as_ref().map_or(0, |k| k.len()) + headers
     }
 
     /// Where it was read: the trade's fallback identity, a dead letter's

@@ -505,7 +505,7 @@ pub fn decode_batch(
 fn dead_letter_of(r: &Record, reject: &Reject) -> DeadLetter {
     DeadLetter {
         source: r.source(),
-        key: r.key.clone(),
+        key: r.key.as_deref().map(<[u8]>::to_vec),
         payload: r.payload.clone(),
         headers: r.headers.clone(),
         reject: reject.clone(),

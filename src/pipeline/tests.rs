@@ -624,7 +624,7 @@ async fn the_batch_bound_counts_keys_and_headers_not_just_payloads() {
     // a key: two records reach the bound, and the batch closes at once.
     for offset in 0..5 {
         let mut r = record(0, offset, true);
-        r.key = Some(vec![b'k'; 64]);
+        r.key = Some(smallvec::smallvec![b'k'; 64]);
         r.headers = vec![(b"trace".to_vec(), Some(vec![b'x'; 2048]))];
         h.records.send(Ok(r)).unwrap();
     }

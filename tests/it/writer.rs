@@ -617,7 +617,10 @@ async fn writers_with_capacities_10_and_20_fill_each_bucket_to_its_own() {
     // Per partition, page order is stream order.
     let keys: Vec<String> = buckets.iter().flat_map(keys_of).collect();
     for p in 0..2 {
-        let expected: Vec<String> = of_partition(p).into_iter().map(|(t, _)| t.key.into()).collect();
+        let expected: Vec<String> = of_partition(p)
+            .into_iter()
+            .map(|(t, _)| t.key.into())
+            .collect();
         let stored: Vec<String> = keys
             .iter()
             .filter(|k| expected.contains(k))

@@ -46,7 +46,12 @@ pub fn head_from_document(d: &Document) -> Result<BucketHead, UnreadableBucket> 
         .map(|a| a.as_slice())
         .unwrap_or(&[])
         .iter()
-        .filter_map(|e| e.as_document()?.get_str("key").ok().map(CompactString::from))
+        .filter_map(|e| {
+            e.as_document()?
+                .get_str("key")
+                .ok()
+                .map(CompactString::from)
+        })
         .collect();
     let mut wm = BTreeMap::new();
     if let Ok(w) = d.get_document("wm") {

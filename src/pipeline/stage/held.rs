@@ -151,10 +151,13 @@ impl HeldTrades {
         self.count += 1;
         let customer = &held.event.0.customer;
         match self.lists.get_mut(customer) {
-            // Exactly: a list stays a few trades long, often for several
-            // batches, and thousands of customers hold at once.
+            // Grown as a `Vec` grows, not exactly: a batch keeps a
+            // customer's held trades one by one, and growing by one
+            // reallocated and copied the whole list for each (3 % of the
+            // worker's CPU on a keyed backlog, docs/benchmarks.md,
+            // "Session 35"). Doubling leaves a list no more spare room
+            // than its own length, which is less than a bucket's.
             Some(list) => {
-                list.trades.reserve_exact(1);
                 list.trades.push(held);
                 list.room = room;
             }
