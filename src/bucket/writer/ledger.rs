@@ -104,7 +104,7 @@ impl<'a> Ledger<'a> {
         }
         let pending: BTreeMap<CustomerId, Group<'a>> = groups
             .into_iter()
-            .map(|(customer, idx)| (customer.clone(), idx))
+            .map(|(customer, group)| (customer.clone(), group))
             .collect();
         let stats = WriteStats {
             customers: pending.len(),

@@ -153,9 +153,9 @@ impl HeldTrades {
         match self.lists.get_mut(customer) {
             // Grown as a `Vec` grows, not exactly: a batch keeps a
             // customer's held trades one by one, and growing by one
-            // reallocated and copied the whole list for each (3 % of the
-            // worker's CPU on a keyed backlog, docs/benchmarks.md,
-            // "Session 35"). Doubling leaves a list no more spare room
+            // reallocated and copied the whole list for each (about 1 % of
+            // the worker's pipeline thread on a keyed backlog,
+            // docs/benchmarks.md, "Session 35"). Doubling leaves a list no more spare room
             // than its own length, which is less than a bucket's.
             Some(list) => {
                 list.trades.push(held);
