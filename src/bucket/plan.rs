@@ -385,7 +385,10 @@ fn classify<'a>(
 ) -> Vec<Event<'a>> {
     let mut accepted: Vec<Event<'a>> = Vec::with_capacity(events.len());
     // foldhash, as `KeySet` and for its reason: every event's key goes in.
-    let mut seen: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
+    // Sized at once: grown from empty, it reallocated and rehashed about
+    // log2(n) times per customer.
+    let mut seen: HashMap<&str, usize, foldhash::fast::RandomState> =
+        HashMap::with_capacity_and_hasher(events.len(), Default::default());
     for ev in events {
         let applied = !known.not_stored.contains(ev.trade.key.as_str())
             && head.is_some_and(|h| h.covers(ev.source));
