@@ -206,14 +206,19 @@ impl<'a> Ledger<'a> {
         head_of: impl Fn(&CustomerId) -> Option<&'h BucketHead>,
     ) -> ByKey<'a> {
         let loaded = &self.loaded;
-        let unread = |c: &CustomerId| if loaded.contains(c) { None } else { head_of(c) };
+        let unread = |c: &CustomerId, _: &Group<'_>| {
+            if loaded.contains(c) {
+                None
+            } else {
+                head_of(c)
+            }
+        };
         let holds = |head: &BucketHead, (trade, _): &(Trade, Source)| {
             head.keys.contains(trade.key.as_str())
         };
         let (pending, outcomes) = (&self.pending, &*self.outcomes);
         let asked = &mut self.verified_cached;
-        let any = |_: &BucketHead, _: &Group<'_>| true;
-        unverified(self.events, pending, outcomes, unread, (any, holds), asked)
+        unverified(self.events, pending, outcomes, unread, holds, asked)
     }
 
     /// The pending events at or below their cached head's watermark whose
@@ -227,17 +232,14 @@ impl<'a> Ledger<'a> {
         let below = |head: &BucketHead, (trade, source): &(Trade, Source)| {
             head.covers(source) && !head.keys.contains(trade.key.as_str())
         };
-        let covered = |head: &BucketHead, group: &Group<'_>| group.may_be_covered(head);
+        // A head that covers none of a customer's lowest offsets covers
+        // none of its events: the customer is passed by (see `Group`).
+        let covered = |c: &CustomerId, group: &Group<'_>| {
+            head_of(c).filter(|head| group.may_be_covered(head))
+        };
         let (pending, outcomes) = (&self.pending, &*self.outcomes);
         let asked = &mut self.verified;
-        unverified(
-            self.events,
-            pending,
-            outcomes,
-            head_of,
-            (covered, below),
-            asked,
-        )
+        unverified(self.events, pending, outcomes, covered, below, asked)
     }
 
     /// The `(customer, key)` pairs to look up: each key with the customer
@@ -461,25 +463,22 @@ impl<'a> Ledger<'a> {
     }
 }
 
-/// The pending events of customers with a cached head (`head_of`) that
-/// have no outcome yet, that `wanted` picks, and that no earlier round
-/// looked up (`asked`, which records them), by key. `wanted.0` says of a
-/// customer's events as a whole whether `wanted.1` may pick one.
+/// The pending events of customers with a cached head that have no
+/// outcome yet, that `wanted` picks, and that no earlier round looked up
+/// (`asked`, which records them), by key. `head_of` gives a customer's
+/// head, or none to pass the customer by: also when the customer's events
+/// as a whole show that `wanted` picks none of them.
 fn unverified<'a, 'h>(
     events: Events<'a>,
     pending: &BTreeMap<CustomerId, Group<'a>>,
     outcomes: &[Outcome],
-    head_of: impl Fn(&CustomerId) -> Option<&'h BucketHead>,
-    wanted: (
-        impl Fn(&BucketHead, &Group<'a>) -> bool,
-        impl Fn(&BucketHead, &(Trade, Source)) -> bool,
-    ),
+    head_of: impl Fn(&CustomerId, &Group<'a>) -> Option<&'h BucketHead>,
+    wanted: impl Fn(&BucketHead, &(Trade, Source)) -> bool,
     asked: &mut HashSet<usize>,
 ) -> ByKey<'a> {
-    let (may_want, wanted) = wanted;
     let mut by_key = ByKey::new();
     for (customer, group) in pending {
-        let Some(head) = head_of(customer).filter(|h| may_want(h, group)) else {
+        let Some(head) = head_of(customer, group) else {
             continue;
         };
         for &i in &group.idx {

@@ -155,8 +155,9 @@ impl HeldTrades {
             // customer's held trades one by one, and growing by one
             // reallocated and copied the whole list for each (about 1 % of
             // the worker's pipeline thread on a keyed backlog,
-            // docs/benchmarks.md, "Session 35"). Doubling leaves a list no more spare room
-            // than its own length, which is less than a bucket's.
+            // docs/benchmarks.md, "Session 35"). Doubling leaves a list no
+            // more spare room than its own length, which is less than a
+            // bucket's.
             Some(list) => {
                 list.trades.push(held);
                 list.room = room;
