@@ -25,6 +25,7 @@
 //!   Registry, and each topic's payload format.
 //! - [`errors`]: an error and its causes told in one line.
 //! - [`allocator`]: the settings of mimalloc, the binary's allocator.
+//! - [`prefetch`]: a cache hint for the hot path's scattered reads.
 //!
 //! `docs/design.md` explains why the guarantees hold.
 
@@ -41,6 +42,7 @@ pub mod kafka;
 pub mod metrics;
 pub mod offsets;
 pub mod pipeline;
+pub mod prefetch;
 pub mod ratelimit;
 pub mod reconcile;
 pub mod registry;

@@ -24,6 +24,7 @@ use crate::event::{Mappings, RecordParts, Reject, Source, Trade};
 use crate::health::Health;
 use crate::kafka::DeadLetter;
 use crate::metrics::{Metrics, RetryKind, TimeoutOperation};
+use crate::prefetch::prefetch_bytes;
 use crate::registry::{Decode, Formats, SchemaId};
 use crate::retry::Backoff;
 use crate::throttle::Throttle;
@@ -466,6 +467,11 @@ impl Work {
     }
 }
 
+/// How many records ahead `decode_batch` asks for a payload, and how
+/// much of it.
+const PREFETCH_AHEAD: usize = 2;
+const PREFETCH_BYTES: usize = 256;
+
 /// Decodes every record; the undecodable ones are to be dead-lettered.
 /// A topic with an input mapping is read by it (`event::mapping`); any
 /// other by the default schema, exactly as without mappings.
@@ -485,6 +491,16 @@ pub fn decode_batch(
         pending: Vec::new(),
     };
     for (i, r) in batch.iter().enumerate() {
+        // Records copied in up to a batch ago are read from memory, not a
+        // cache: the one after next is asked for while this one decodes
+        // (see `crate::prefetch`), its start only (a trade's payload is a
+        // few cache lines; one of megabytes streams on its own).
+        if let Some(payload) = batch
+            .get(i + PREFETCH_AHEAD)
+            .and_then(|r| r.payload.as_deref())
+        {
+            prefetch_bytes(&payload[..payload.len().min(PREFETCH_BYTES)]);
+        }
         let source = r.source();
         let parts = RecordParts {
             payload: r.payload.as_deref(),

@@ -10,6 +10,7 @@ use super::bson_out::{self, document, element, BsonOut, Name};
 use super::layout::SHARD_KEY_FIELD;
 use crate::bucket::plan::{BucketHead, Fill, NewBucket, UnreadableBucket};
 use crate::event::{CustomerId, Trade};
+use crate::prefetch::prefetch_bytes;
 
 /// Builds our view of a bucket from its stored form; or says why this
 /// version cannot plan against it. `count` must be a whole number the
@@ -117,6 +118,7 @@ pub fn fill_statement(
     trades: &[&Trade],
     shard_key: Option<&CustomerId>,
 ) -> RawDocumentBuf {
+    prefetch_entries(trades);
     let tickers = distinct_tickers(trades);
     let mut out = BsonOut::with_capacity(fill_statement_size(fill, trades, &tickers, shard_key));
     let top = out.begin();
@@ -190,6 +192,7 @@ fn fill_statement_size(
 
 /// A new bucket document, written in one buffer of its exact size.
 pub fn bucket_document(bucket: &NewBucket, trades: &[&Trade]) -> RawDocumentBuf {
+    prefetch_entries(trades);
     let customer = CustomerValue::of(&bucket.customer);
     let tickers = distinct_tickers(trades);
     let size = bucket_document_size(bucket, trades, &tickers, &customer);
@@ -316,6 +319,16 @@ fn watermarks(wm: &BTreeMap<String, i64>) -> impl Iterator<Item = (&String, &i64
 /// Whether `name` can be a BSON name: it holds no NUL.
 fn nameable(name: &str) -> bool {
     !name.as_bytes().contains(&0)
+}
+
+/// Asks for the trades' entries, which `history` copies last (see
+/// [`crate::prefetch`]): each was written by the decoder a batch or more
+/// ago, so the copy waited on memory for each; asked for first, they
+/// arrive while the tickers and the size are worked out.
+fn prefetch_entries(trades: &[&Trade]) {
+    for t in trades {
+        prefetch_bytes(t.doc.as_bytes());
+    }
 }
 
 /// The trades' history entries, copied as encoded bytes, as an array's

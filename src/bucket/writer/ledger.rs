@@ -12,6 +12,7 @@ use crate::bucket::plan::{
 };
 use crate::bucket::writer::{Events, Outcome, WriteStats};
 use crate::event::{CustomerId, Reject, RejectKind, Source, Trade};
+use crate::prefetch::prefetch;
 
 /// What a customer the database told us nothing about is planned with.
 static NOTHING_KNOWN: LazyLock<Known> = LazyLock::new(Known::default);
@@ -342,6 +343,12 @@ impl<'a> Ledger<'a> {
         plan_customer_owned(customer, head, &evs, learnt, limits, hold)
     }
 
+    /// Asks the CPU for events `idx` and their outcomes (see
+    /// [`prefetch_events`]).
+    pub(super) fn prefetch(&self, idx: &[usize]) {
+        prefetch_events(self.events, self.outcomes, idx);
+    }
+
     /// Records what `plan` settles without a write: already applied, held,
     /// duplicates, unplaceable.
     pub(super) fn planned(&mut self, plan: &CustomerPlan) {
@@ -477,7 +484,11 @@ fn unverified<'a, 'h>(
     asked: &mut HashSet<usize>,
 ) -> ByKey<'a> {
     let mut by_key = ByKey::new();
+    let mut next = pending.values().skip(1);
     for (customer, group) in pending {
+        if let Some(ahead) = next.next() {
+            prefetch_events(events, outcomes, &ahead.idx);
+        }
         let Some(head) = head_of(customer, group) else {
             continue;
         };
@@ -491,6 +502,20 @@ fn unverified<'a, 'h>(
         }
     }
     by_key
+}
+
+/// Asks the CPU for events `idx` and their outcomes (see
+/// [`crate::prefetch`]): a customer's events lie anywhere in the write's
+/// events (megabytes), so the passes that go customer by customer wait on
+/// memory for each event unless they ask for the next customer's while
+/// they handle this one's.
+fn prefetch_events(events: Events<'_>, outcomes: &[Outcome], idx: &[usize]) {
+    for &i in idx {
+        prefetch(events.get(i));
+        if let Some(outcome) = outcomes.get(i) {
+            prefetch(outcome);
+        }
+    }
 }
 
 #[cfg(test)]
