@@ -12,13 +12,19 @@ pub fn prefetch<T>(value: &T) {
     lines(std::ptr::from_ref(value).cast::<u8>(), size_of::<T>());
 }
 
-/// Asks for the cache lines of `bytes`.
+/// Asks for the cache lines of `bytes`, up to [`MAX_HINTED`] of them.
 #[inline(always)]
 pub fn prefetch_bytes(bytes: &[u8]) {
     lines(bytes.as_ptr(), bytes.len());
 }
 
 const LINE: usize = 64;
+
+/// The bytes hinted at most, from the start: a trade's payload, entry or
+/// event is a few lines, and longer bytes (a payload or an entry may be
+/// megabytes) are read in order, which the CPU's own prefetchers follow;
+/// a hint per line of those would only cost time.
+pub const MAX_HINTED: usize = 4 * LINE;
 
 #[inline(always)]
 fn lines(start: *const u8, len: usize) {
@@ -35,10 +41,12 @@ fn lines(start: *const u8, len: usize) {
     let _ = (start, len);
 }
 
-/// The offsets hinted for `len` bytes: one per line's width, and the last
-/// byte, whose line the others miss when the bytes do not start a line.
+/// The offsets hinted for `len` bytes (their first [`MAX_HINTED`]): one
+/// per line's width, and the last byte, whose line the others miss when
+/// the bytes do not start a line.
 #[inline(always)]
 fn hinted(len: usize) -> impl Iterator<Item = usize> {
+    let len = len.min(MAX_HINTED);
     (0..len).step_by(LINE).chain(len.checked_sub(1))
 }
 
@@ -49,14 +57,14 @@ mod tests {
     use super::*;
 
     proptest! {
-        /// Every cache line the bytes touch gets a hint, and no hint
-        /// falls outside the bytes.
+        /// Every cache line of the bytes' first `MAX_HINTED` gets a hint,
+        /// and no hint falls outside them.
         #[test]
         fn every_line_of_the_bytes_is_hinted(start in 0usize..4096, len in 0usize..1024) {
             let hints: Vec<usize> = hinted(len).map(|o| start + o).collect();
-            prop_assert!(hints.iter().all(|&a| a >= start && a < start + len));
-            let touched = (start..start + len).map(|a| a / LINE);
-            for line in touched {
+            let end = start + len.min(MAX_HINTED);
+            prop_assert!(hints.iter().all(|&a| a >= start && a < end));
+            for line in (start..end).map(|a| a / LINE) {
                 prop_assert!(hints.iter().any(|&a| a / LINE == line), "line {line} not hinted");
             }
         }

@@ -355,22 +355,15 @@ impl<S: BucketDb> BucketWriter<S> {
         // thousands of customers, so a vector grown by doubling copied
         // megabytes per round (docs/benchmarks.md, "Session 32").
         let mut plans = Vec::with_capacity(ledger.pending_len());
-        {
-            // The next customer's events are asked for while this one is
-            // planned (see `Ledger::prefetch`).
-            let mut next = ledger.pending().skip(1);
-            for (customer, idx) in ledger.pending() {
-                if let Some((_, ahead)) = next.next() {
-                    ledger.prefetch(ahead);
-                }
-                // Not cached is not "no bucket" (see `take_head`): it
-                // stays pending and is loaded again next round.
-                if let Some(head) = self.take_head(customer) {
-                    let plan = ledger.plan(customer, idx, head, limits);
-                    plans.push(Planned::new(customer.clone(), plan));
-                }
-            }
-        }
+        plans.extend(ledger.pending().filter_map(|(customer, idx)| {
+            // Not cached is not "no bucket" (see `take_head`): it stays
+            // pending and is loaded again next round.
+            let head = self.take_head(customer)?;
+            Some(Planned::new(
+                customer.clone(),
+                ledger.plan(customer, idx, head, limits),
+            ))
+        }));
         for planned in &plans {
             ledger.planned(&planned.plan);
         }

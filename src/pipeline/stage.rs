@@ -467,10 +467,8 @@ impl Work {
     }
 }
 
-/// How many records ahead `decode_batch` asks for a payload, and how
-/// much of it.
+/// How many records ahead `decode_batch` asks for a payload.
 const PREFETCH_AHEAD: usize = 2;
-const PREFETCH_BYTES: usize = 256;
 
 /// Decodes every record; the undecodable ones are to be dead-lettered.
 /// A topic with an input mapping is read by it (`event::mapping`); any
@@ -492,14 +490,13 @@ pub fn decode_batch(
     };
     for (i, r) in batch.iter().enumerate() {
         // Records copied in up to a batch ago are read from memory, not a
-        // cache: the one after next is asked for while this one decodes
-        // (see `crate::prefetch`), its start only (a trade's payload is a
-        // few cache lines; one of megabytes streams on its own).
+        // cache: the payload after next is asked for while this one
+        // decodes (see `crate::prefetch`).
         if let Some(payload) = batch
             .get(i + PREFETCH_AHEAD)
             .and_then(|r| r.payload.as_deref())
         {
-            prefetch_bytes(&payload[..payload.len().min(PREFETCH_BYTES)]);
+            prefetch_bytes(payload);
         }
         let source = r.source();
         let parts = RecordParts {

@@ -343,12 +343,6 @@ impl<'a> Ledger<'a> {
         plan_customer_owned(customer, head, &evs, learnt, limits, hold)
     }
 
-    /// Asks the CPU for events `idx` and their outcomes (see
-    /// [`prefetch_events`]).
-    pub(super) fn prefetch(&self, idx: &[usize]) {
-        prefetch_events(self.events, self.outcomes, idx);
-    }
-
     /// Records what `plan` settles without a write: already applied, held,
     /// duplicates, unplaceable.
     pub(super) fn planned(&mut self, plan: &CustomerPlan) {
@@ -371,9 +365,10 @@ impl<'a> Ledger<'a> {
         self.hold_from.is_some_and(|from| first >= from) && !self.isolate.contains_key(customer)
     }
 
-    /// The pending customers, each with its events.
+    /// The pending customers, each with its events, asked for while the
+    /// customer before is handled (see [`ahead`]).
     pub(super) fn pending(&self) -> impl Iterator<Item = (&CustomerId, &[usize])> {
-        self.pending.iter().map(|(c, g)| (c, g.idx.as_slice()))
+        ahead(self.events, self.outcomes, &self.pending).map(|(c, g)| (c, g.idx.as_slice()))
     }
 
     /// Whether every event of `customer` has an outcome (or it is not
@@ -484,11 +479,7 @@ fn unverified<'a, 'h>(
     asked: &mut HashSet<usize>,
 ) -> ByKey<'a> {
     let mut by_key = ByKey::new();
-    let mut next = pending.values().skip(1);
-    for (customer, group) in pending {
-        if let Some(ahead) = next.next() {
-            prefetch_events(events, outcomes, &ahead.idx);
-        }
+    for (customer, group) in ahead(events, outcomes, pending) {
         let Some(head) = head_of(customer, group) else {
             continue;
         };
@@ -504,18 +495,25 @@ fn unverified<'a, 'h>(
     by_key
 }
 
-/// Asks the CPU for events `idx` and their outcomes (see
-/// [`crate::prefetch`]): a customer's events lie anywhere in the write's
-/// events (megabytes), so the passes that go customer by customer wait on
-/// memory for each event unless they ask for the next customer's while
-/// they handle this one's.
-fn prefetch_events(events: Events<'_>, outcomes: &[Outcome], idx: &[usize]) {
-    for &i in idx {
-        prefetch(events.get(i));
-        if let Some(outcome) = outcomes.get(i) {
-            prefetch(outcome);
+/// `pending`'s customers in order, each given once the next customer's
+/// events and outcomes are asked for (see [`crate::prefetch`]): a
+/// customer's events lie anywhere in the write's events (megabytes), so a
+/// pass that goes customer by customer waits on memory for each event
+/// unless the next customer's arrive while this one's are handled.
+fn ahead<'p, 'a>(
+    events: Events<'a>,
+    outcomes: &'p [Outcome],
+    pending: &'p BTreeMap<CustomerId, Group<'a>>,
+) -> impl Iterator<Item = (&'p CustomerId, &'p Group<'a>)> {
+    let mut next = pending.values().skip(1);
+    pending.iter().inspect(move |_| {
+        for &i in next.next().map_or(&[][..], |g| g.idx.as_slice()) {
+            prefetch(events.get(i));
+            if let Some(outcome) = outcomes.get(i) {
+                prefetch(outcome);
+            }
         }
-    }
+    })
 }
 
 #[cfg(test)]
