@@ -3,6 +3,7 @@
 //! load spread over many customers (each sees a trade every few seconds,
 //! so its bucket is open and the trade is appended to it).
 
+use std::future::Future;
 use std::time::Instant;
 
 use futures::stream::{FuturesUnordered, StreamExt};
@@ -217,13 +218,22 @@ async fn apply_in_order(store: &BucketStore, stream: Vec<RawDocumentBuf>) -> any
 /// close while its writes run. Each append's delay runs from its due time
 /// to its command's answer. If the server alone cannot keep its p99
 /// within a second at a rate, no client of it can.
+///
+/// `beside` runs alongside the sending, started with it (its setup done
+/// before): nothing, or the Kafka side of a steady phase (`kafka_load` in
+/// main.rs), so that the server is paced on the machine as the steady
+/// phases share it; the database's cost per append rises on a busy
+/// machine (docs/benchmarks.md, "Session 37"). Each check writes to a
+/// `collection` of its own.
 pub(crate) async fn paced_appends(
     target: &Target,
+    collection: &str,
     first_customer: u64,
     rate: f64,
     seconds: u64,
+    beside: impl Future<Output = anyhow::Result<()>>,
 ) -> anyhow::Result<serde_json::Value> {
-    let (s, store) = append_collection(target, "append_paced").await?;
+    let (s, store) = append_collection(target, collection).await?;
     let limits = plan::Limits::with_capacity(s.buckets.capacity);
     let appends_per_bucket = s.buckets.capacity as usize - 1;
     let count = (rate * seconds as f64) as usize;
@@ -241,8 +251,10 @@ pub(crate) async fn paced_appends(
     let steady = Steady::of(rounds)?;
     let cpu = Cpu::of_stack();
     let before = cpu.snapshot(None);
-    let (delays, seconds) = send_paced(&store, &steady, rate).await?;
+    let (sent, beside) = tokio::join!(send_paced(&store, &steady, rate), beside);
     let used = cpu.snapshot(None).since(&before);
+    let (delays, seconds) = sent?;
+    beside?;
     // Only the appends due while every bucket size is being appended to.
     let mut measured: Vec<f64> = delays
         .iter()
@@ -257,8 +269,11 @@ pub(crate) async fn paced_appends(
     figures["appends"] = json!(delays.len());
     figures["measured"] = json!(measured.len());
     figures["seconds"] = json!(seconds);
-    figures["database_cores"] = json!(used.database.map(|u| u / seconds));
-    figures["machine_cores"] = json!(used.machine.map(|u| u / seconds));
+    let cores = |used: Option<f64>| json!(used.map(|u| u / seconds));
+    figures["database_cores"] = cores(used.database);
+    figures["broker_cores"] = cores(used.broker);
+    figures["bench_cores"] = cores(used.bench);
+    figures["machine_cores"] = cores(used.machine);
     Ok(figures)
 }
 

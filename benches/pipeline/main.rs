@@ -172,15 +172,18 @@ async fn main() -> anyhow::Result<()> {
     let per_second = appends["appends_per_second"].as_f64().unwrap_or(0.0);
     eprintln!("bench: append ceiling {per_second:.0} appends/s");
     // The database alone at 0.8 x its ceiling: what the server's own delay
-    // is at the steady capacity's target (customers past the ceiling's).
-    let append_paced = paced_appends(
-        &target,
-        args.customers,
-        0.8 * per_second,
-        args.latency_seconds,
-    )
-    .await?;
+    // is at the steady capacity's target (customers past the ceiling's),
+    // with the machine to itself and then beside a steady phase's Kafka load.
+    let pace = 0.8 * per_second;
+    let secs = args.latency_seconds;
+    let none = std::future::ready(Ok(()));
+    let append_paced =
+        paced_appends(&target, "append_paced", args.customers, pace, secs, none).await?;
     eprintln!("bench: appends paced at 0.8 x the ceiling: {append_paced}");
+    let load = kafka_load(&args, &target, pace).await?;
+    let append_paced_beside =
+        paced_appends(&target, "append_beside", args.customers, pace, secs, load).await?;
+    eprintln!("bench: the same, beside a steady Kafka load: {append_paced_beside}");
     let delays = delays(&args, &target, per_second).await?;
     let broker_warm = warm_broker_pair(&args, &target).await?;
     let profiled = match args.profile {
@@ -206,6 +209,7 @@ async fn main() -> anyhow::Result<()> {
         "tradebucket_second": second,
         "append_ceiling": appends,
         "append_paced": append_paced,
+        "append_paced_beside": append_paced_beside,
         "hold_max_age_seconds": settings.batch.hold_max_age.as_secs_f64(),
         "delays": delays,
         "broker_warm": broker_warm,
@@ -431,15 +435,7 @@ fn plain_consumer(
 ) -> anyhow::Result<serde_json::Value> {
     let before = cpu.snapshot(None);
     let started = Instant::now();
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .args(["--plain-consumer", &target.topic])
-        .args(["--plain-rate", &rate.to_string()])
-        .args(["--partitions", &args.partitions.to_string()])
-        .args(["--events", &args.events.to_string()])
-        .env_clear()
-        .envs(&target.vars)
-        .stderr(std::process::Stdio::inherit())
-        .output()?;
+    let out = plain_consumer_command(args, target, args.events, rate)?.output()?;
     let seconds = started.elapsed().as_secs_f64();
     let mut cpu_per_million = before.per_million(&cpu.snapshot(None), args.events);
     anyhow::ensure!(out.status.success(), "the plain consumer failed");
@@ -453,6 +449,61 @@ fn plain_consumer(
         "events_per_second": args.events as f64 / seconds,
         "cpu_per_million": cpu_per_million,
     }))
+}
+
+/// This program as the plain consumer (`plain_consumer_child`) of
+/// `target`'s topic: `events` records, at most `rate` a second (0: no limit).
+fn plain_consumer_command(
+    args: &Args,
+    target: &Target,
+    events: u64,
+    rate: f64,
+) -> anyhow::Result<std::process::Command> {
+    let mut command = std::process::Command::new(std::env::current_exe()?);
+    command
+        .args(["--plain-consumer", &target.topic])
+        .args(["--plain-rate", &rate.to_string()])
+        .args(["--partitions", &args.partitions.to_string()])
+        .args(["--events", &events.to_string()])
+        .env_clear()
+        .envs(&target.vars)
+        .stderr(std::process::Stdio::inherit());
+    Ok(command)
+}
+
+/// The Kafka side of a steady phase, without a worker: the load's
+/// producer sending `rate` events a second for `--latency-seconds` into a
+/// topic of its own (created here, before the returned work starts), and a
+/// plain consumer process reading them as they arrive, so the broker
+/// serves a consumer's fetches as it serves the worker's. What the
+/// database-alone check is paced beside (`appends::paced_appends`): in a
+/// steady phase the broker and the producer used about 0.4 of the two
+/// cores (docs/benchmarks.md, "Session 37"). The phases' delay sampler is
+/// left out: its trades would wait for a worker that is not there.
+async fn kafka_load(
+    args: &Args,
+    target: &Target,
+    rate: f64,
+) -> anyhow::Result<impl std::future::Future<Output = anyhow::Result<()>>> {
+    let t = Target::new(
+        &target.vars,
+        &format!("{}-beside", target.topic),
+        &target.db,
+        &format!("{}-beside", target.group),
+        testkit::free_port(),
+    );
+    let s = t.settings();
+    cli::init(&s, Some(args.partitions)).await?;
+    let count = (rate * args.latency_seconds as f64) as u64;
+    let load = produce_options(args, 0, count, rate as u64, &t.topic);
+    let mut consumer = plain_consumer_command(args, &t, count, 0.0)?;
+    Ok(async move {
+        let consumer = tokio::task::spawn_blocking(move || consumer.output());
+        let (produced, read) = tokio::join!(cli::produce(&s, &load, false), consumer);
+        produced?;
+        anyhow::ensure!(read??.status.success(), "the load's plain consumer failed");
+        Ok(())
+    })
 }
 
 /// The plain consumer's process: reads `args.events` records of `topic`
