@@ -4,6 +4,8 @@
 //! owns its registry, so tests running several in one process stay apart.
 
 mod labels;
+#[cfg(target_os = "linux")]
+mod process;
 
 pub use labels::{
     CommitResult, ConsumerErrorKind, DelayStage, RebalanceKind, RegistryErrorKind, RetryKind,
@@ -205,8 +207,8 @@ impl Metrics {
     }
 
     /// `tradebucket_build_info{version}` at 1, and the standard process_*
-    /// series (resident memory, CPU seconds, open fds), read from /proc at
-    /// each scrape; Linux only.
+    /// series (resident memory, CPU seconds to the clock tick, open fds),
+    /// read from /proc at each scrape; Linux only.
     fn register_build_and_process(&self) {
         let build_info: IntGaugeVec = register(
             &self.registry,
@@ -223,9 +225,7 @@ impl Metrics {
             .set(1);
         #[cfg(target_os = "linux")]
         self.registry
-            .register(Box::new(
-                prometheus::process_collector::ProcessCollector::for_self(),
-            ))
+            .register(Box::new(process::ProcessMetrics::for_self()))
             .expect("process metric names are unique");
     }
 

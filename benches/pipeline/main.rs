@@ -19,7 +19,9 @@
 //!   committed write at the target's steady 1,000 events/s (with a sample
 //!   of trades timed from producer acknowledgement to readable in MongoDB);
 //! - the append ceiling: the database's capacity for one-trade appends to
-//!   open buckets, and the delay curve at steady loads below and above it;
+//!   open buckets; the database alone, those appends paced at 0.8 × it,
+//!   with the machine to itself and beside a steady phase's Kafka load;
+//!   and the delay curve at steady loads below and above it;
 //! - last, the worker and the paced plain consumer again, for the broker's
 //!   CPU per event on a broker that has compiled its code.
 //!
