@@ -290,16 +290,19 @@ if steady:
         None if p99 is None else p99 <= 0.1))
 paced_appends = r.get("append_paced")
 paced_beside = r.get("append_paced_beside")
+# The database-alone checks at 0.8 × the append ceiling (appends.rs,
+# `paced_appends`) that ran, by name, and those whose own p99 is above a
+# second: with the machine to itself, or beside a steady phase's Kafka load
+# (the producer, the broker and a plain consumer; no worker), which the
+# phases share the machine with.
+paced_checks = [(name, c) for name, c in (("with the machine to itself", paced_appends),
+                                          ("beside the phase's Kafka load", paced_beside)) if c]
+paced_missed = [name for name, c in paced_checks if c["p99_seconds"] > 1.0]
 def steady_verdict(ok):
-    """Set by the server when the database alone, sent the same appends
-    at 0.8 × its ceiling by one client, cannot keep its own p99 within a
-    second: with the machine to itself, or beside a steady phase's Kafka
-    load (the producer, the broker and a plain consumer; no worker), which
-    the phases share the machine with (appends.rs, `paced_appends`)."""
-    checks = [c for c in (paced_appends, paced_beside) if c]
-    if ok or not checks:
+    """Set by the server when a database-alone check misses p99 ≤ 1 s."""
+    if ok or not paced_checks:
         return ok
-    return SERVER_FLOOR if any(c["p99_seconds"] > 1.0 for c in checks) else False
+    return SERVER_FLOOR if paced_missed else False
 if curve and appends:
     capacity = held["rate_events_per_second"] if held else 0
     above = "" if missed is None else f", p99 {missed['p99_seconds']:.2f} s at {rate(missed['rate_events_per_second'])}/s"
@@ -603,12 +606,10 @@ def load_of(x):
     f = x.get("fraction_of_append_ceiling")
     return "steady target load" if f is None else f"{f:g} × the append ceiling"
 
-def paced_lines(pa, beside):
-    """The database-alone checks at 0.8 × the append ceiling (appends.rs,
-    `paced_appends`): with the machine to itself and, when run, beside a
-    steady phase's Kafka load; and what they say about the knee."""
+def paced_lines(pa):
+    """The database-alone checks (`paced_checks`, `pa` the first) and what
+    they say about the knee."""
     def cores(x, k): return "–" if x.get(k) is None else f"{x[k]:.2f}"
-    checks = [("with the machine to itself", pa)] + ([("beside the phase's Kafka load", beside)] if beside else [])
     lines = [
         "",
         f"The database alone at 0.8 × its ceiling: the same appends ({pa['appends']:,}, to buckets of their own,"
@@ -621,20 +622,19 @@ def paced_lines(pa, beside):
         + ("; run twice: with the machine to itself, and beside the Kafka side of a steady phase at the"
            " same rate (the load's producer in the bench's process, the broker, and a plain consumer"
            " process reading the records as they arrive; no worker, no delay sampler), which the steady"
-           " phases share the machine with:" if beside else ":"),
+           " phases share the machine with:" if paced_beside else ":"),
         "",
         "| the database alone, paced | p50 | p99 | max | database cores | broker cores | bench cores | machine cores |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, c in checks:
+    for name, c in paced_checks:
         lines.append(f"| {name} | {secs(c['p50_seconds'])} | {secs(c['p99_seconds'])} | {secs(c['max_seconds'])}"
                      f" | {cores(c, 'database_cores')} | {cores(c, 'broker_cores')} | {cores(c, 'bench_cores')}"
                      f" | {cores(c, 'machine_cores')} |")
-    missed = [name for name, c in checks if c["p99_seconds"] > 1.0]
     lines += ["", (
-        f"Above a second {missed[0]}: a client sending the server these appends as the worker does holds"
+        f"Above a second {paced_missed[0]}: a client sending the server these appends as the worker does holds"
         " no p99 ≤ 1 s at 0.8 × its append ceiling on this machine, so the server sets that knee."
-        if missed else
+        if paced_missed else
         "Within a second in every check: the server holds 0.8 × its append ceiling as the worker sends"
         " to it, so a worker that misses it there misses by its own delay, not the server's.")]
     return lines
@@ -693,9 +693,8 @@ if ac:
         lines.append(f"| {lv['concurrency']} | {lv.get('customers', ac['customers']):,} | "
                      f"{lv['appends']:,.0f} | {lv['seconds']:.1f} | "
                      f"{rate(lv['appends_per_second'])} |")
-    pa = r.get("append_paced")
-    if pa:
-        lines += paced_lines(pa, r.get("append_paced_beside"))
+    if paced_appends:
+        lines += paced_lines(paced_appends)
     loads = [(x, x["servers"]) for x in delays if x.get("servers")]
     if loads and any(lv.get("database_us_per_append") is not None for lv in ac["levels"]):
         best = max(ac["levels"], key=lambda lv: lv["appends_per_second"])

@@ -31,8 +31,6 @@ impl Collector for ProcessMetrics {
 
     fn collect(&self) -> Vec<MetricFamily> {
         let mut families = self.0.collect();
-        // Read after the crate's own read, so the counter never goes
-        // below what an earlier scrape showed.
         if let Some(seconds) = cpu_seconds() {
             let cpu = families.iter_mut().filter(|f| f.name() == CPU_SECONDS);
             for metric in cpu.flat_map(|f| f.mut_metric().iter_mut()) {
@@ -47,7 +45,7 @@ impl Collector for ProcessMetrics {
 
 /// User and system CPU time of this process, every thread, in seconds;
 /// `None` if /proc cannot be read (the crate's own value stays then).
-pub(super) fn cpu_seconds() -> Option<f64> {
+fn cpu_seconds() -> Option<f64> {
     let stat = procfs::process::Process::myself().ok()?.stat().ok()?;
     let ticks = procfs::ticks_per_second() as f64;
     Some((stat.utime + stat.stime) as f64 / ticks)
