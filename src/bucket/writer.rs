@@ -33,7 +33,7 @@ use mongodb::bson::RawDocumentBuf;
 use super::db::BucketDb;
 use super::id::Prefix;
 use super::plan::{BucketHead, Limits, Room};
-use super::store::{bucket_document, fill_statement, BucketStore, StoreError};
+use super::store::{bucket_document, fill_statement, BucketStore, InsertOutcome, StoreError};
 use crate::event::{CustomerId, Reject};
 use crate::metrics::{Metrics, WriteOperation};
 
@@ -95,6 +95,8 @@ pub struct BucketWriter<S = BucketStore> {
     /// every batch (see `take_head`).
     cache: LruCache<CustomerId, Option<Box<BucketHead>>>,
     metrics: Metrics,
+    /// How a round's new buckets go out as `insert` commands at once.
+    insert_split: InsertSplit,
 }
 
 impl<S: BucketDb> BucketWriter<S> {
@@ -104,7 +106,15 @@ impl<S: BucketDb> BucketWriter<S> {
             capacity,
             cache: LruCache::new(NonZeroUsize::new(cache_customers.max(1)).expect("max(1)")),
             metrics,
+            insert_split: InsertSplit::new(1),
         }
+    }
+
+    /// Sends a round's new buckets as up to `split.commands` `insert`
+    /// commands at once (`mongodb.insert_concurrency`; one by default).
+    pub fn with_insert_split(mut self, split: InsertSplit) -> Self {
+        self.insert_split = split;
+        self
     }
 
     fn timer(&self, operation: WriteOperation) -> prometheus::HistogramTimer {
@@ -502,8 +512,8 @@ impl<S: BucketDb> BucketWriter<S> {
         self.insert(ledger, round, rest, true).await
     }
 
-    /// Inserts the new buckets `docs` names, `ordered` or not, and records
-    /// what went in.
+    /// Inserts the new buckets `docs` names, `ordered` or not, as up to
+    /// `insert_split` commands at once, and records what went in.
     async fn insert(
         &mut self,
         ledger: &mut Ledger<'_>,
@@ -514,16 +524,56 @@ impl<S: BucketDb> BucketWriter<S> {
         if docs.is_empty() {
             return Ok(());
         }
-        let raw: Vec<RawDocumentBuf> = docs
+        let plans: Vec<PlanId> = docs.iter().map(|b| b.plan).collect();
+        let runs = self.insert_split.commands(&plans, ordered);
+        let commands: Vec<Vec<RawDocumentBuf>> = runs
             .iter()
-            .map(|&b| {
-                let nb = round.new_bucket(b);
-                bucket_document(nb, &ledger.trades(&nb.events))
+            .map(|run| {
+                docs[run.clone()]
+                    .iter()
+                    .map(|&b| {
+                        let nb = round.new_bucket(b);
+                        bucket_document(nb, &ledger.trades(&nb.events))
+                    })
+                    .collect()
             })
             .collect();
         let timer = self.timer(WriteOperation::Insert);
-        let outcome = self.store.insert_buckets(raw, ordered).await?;
+        // Every command is awaited, also after one has failed (`join_all`,
+        // not `try_join_all`, which would drop the others in flight): no
+        // insert of a round may still be on its way when its customers are
+        // reloaded.
+        let store = &self.store;
+        let outcomes = futures::future::join_all(
+            commands
+                .into_iter()
+                .map(|c| store.insert_buckets(c, ordered)),
+        )
+        .await;
         timer.observe_duration();
+        let mut failed = None;
+        for (run, outcome) in runs.into_iter().zip(outcomes) {
+            match outcome {
+                Ok(outcome) => Self::inserted(ledger, round, &docs[run], &outcome, ordered),
+                // As for a single command: the batch is retried from
+                // reloaded heads; what the other commands put in is
+                // recorded, and would be found stored anyway.
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Records what one insert command of `docs` put in, from its reply.
+    fn inserted(
+        ledger: &mut Ledger<'_>,
+        round: &mut Round,
+        docs: &[NewBucketId],
+        outcome: &InsertOutcome,
+        ordered: bool,
+    ) {
         let mut refused_docs: HashSet<usize> = HashSet::new();
         for e in &outcome.errors {
             refused_docs.insert(e.index);
@@ -545,7 +595,6 @@ impl<S: BucketDb> BucketWriter<S> {
                 ledger.stats_mut().buckets_created += 1;
             }
         }
-        Ok(())
     }
 
     /// Customers whose every operation held are done, and the cache now
@@ -603,8 +652,10 @@ impl<S: BucketDb> BucketWriter<S> {
 mod events;
 mod ledger;
 mod round;
+mod split;
 
 pub use events::Events;
+pub use split::InsertSplit;
 
 use ledger::{ByKey, Ledger};
 use round::{NewBucketId, Op, PlanId, Planned, Round};

@@ -185,6 +185,9 @@ pub struct MongoSettings {
     /// Fill (`update`) commands a round's appends are split into and sent
     /// at once.
     pub fill_concurrency: usize,
+    /// `insert` commands a round's new buckets are split into and sent at
+    /// once (rounds of fewer than 200 new buckets stay one command).
+    pub insert_concurrency: usize,
     /// Sharded mode: the unique indexes are scoped to the customer (they
     /// start with `customerId`, the shard key), every filter carries the
     /// customer so mongos targets its shard, and a trade id is unique per

@@ -67,6 +67,11 @@ fn invalid_values_name_the_field() {
         ),
         ("TRADEBUCKET__LOG__FORMAT", "xml", "log.format"),
         (
+            "TRADEBUCKET__MONGODB__INSERT_CONCURRENCY",
+            "0",
+            "mongodb.insert_concurrency",
+        ),
+        (
             "TRADEBUCKET__TIMEOUTS__MONGODB_WRITE_CONCERN",
             "30s",
             "timeouts.mongodb_write_concern",

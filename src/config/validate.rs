@@ -162,6 +162,9 @@ impl Settings {
         if m.fill_concurrency == 0 {
             return Err(invalid("mongodb.fill_concurrency", "must be positive"));
         }
+        if m.insert_concurrency == 0 {
+            return Err(invalid("mongodb.insert_concurrency", "must be positive"));
+        }
         // Syntax and option values only: no DNS (SRV) lookup, no connection.
         // The driver's message may quote the URI: scrubbed.
         if let Err(e) = mongodb::options::ConnectionString::parse(m.uri.expose_secret()) {

@@ -26,7 +26,7 @@ pub use stage::{decode_batch, Decoded};
 use worker::Worker;
 
 use crate::bucket::store::{BucketStore, InitError, StoreError};
-use crate::bucket::writer::BucketWriter;
+use crate::bucket::writer::{BucketWriter, InsertSplit};
 use crate::config::{MappingError, OffsetReset, Settings};
 use crate::errors::error_chain;
 use crate::event::Mappings;
@@ -91,7 +91,8 @@ impl Pipeline {
             settings.buckets.capacity,
             settings.buckets.cache_customers,
             metrics.clone(),
-        );
+        )
+        .with_insert_split(InsertSplit::new(settings.mongodb.insert_concurrency));
         let dead_letters =
             KafkaDeadLetters::new(kafka::dead_letter_producer(&settings)?, settings.clone());
         let group = kafka::consumer(&settings, metrics.clone(), health.clone())?;

@@ -11,7 +11,7 @@ use mongodb::event::EventHandler;
 use testkit::*;
 use tradebucket::bucket::plan::LoadedHead;
 use tradebucket::bucket::store::{BucketStore, PROBE_CUSTOMERS};
-use tradebucket::bucket::writer::{BucketWriter, Outcome, WriteStats};
+use tradebucket::bucket::writer::{BucketWriter, InsertSplit, Outcome, WriteStats};
 use tradebucket::cli::AuditReport;
 use tradebucket::event::{CustomerId, Source, Trade};
 use tradebucket::metrics::Metrics;
@@ -64,18 +64,39 @@ fn event(id: &str, customer: i64, offset: i64, topic: &str) -> (Trade, Source) {
 /// round and settled in the second, and only the refused customers are
 /// reloaded. (An ordered insert of all new buckets stopped at the first
 /// refusal and re-planned everyone after it: 41 rounds here, and 154 for a
-/// batch of the chaos suite's scenario 6.)
+/// batch of the chaos suite's scenario 6.) The same with each insert split
+/// into three commands sent at once (`mongodb.insert_concurrency`, here
+/// with no minimum size): the chained customer's refusal then stops only
+/// its own command's later chains, and nothing else changes.
 #[tokio::test]
 async fn refused_new_buckets_cost_one_more_round_not_one_each() {
     for sharded in [false, true] {
-        refused_new_buckets(sharded).await;
+        for commands in [1, 3] {
+            refused_new_buckets(sharded, commands).await;
+        }
     }
 }
 
-async fn refused_new_buckets(sharded: bool) {
+async fn refused_new_buckets(sharded: bool, commands: usize) {
     let env = TestEnv::new("writer-refusals", 1).await;
-    let store = store(&env, sharded).await;
-    let mut writer = BucketWriter::new(store, CAPACITY, 10_000, Metrics::new());
+    let inserts = Arc::new(AtomicUsize::new(0));
+    let counter = inserts.clone();
+    let db = env.db.clone();
+    let handler = EventHandler::callback(move |e| {
+        if matches!(e, CommandEvent::Started(s) if s.command_name == "insert" && s.db == db) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let store = BucketStore::connect_with(&env.settings(&mode(sharded)), Some(handler))
+        .await
+        .expect("MongoDB client");
+    store.init().await.expect("indexes");
+    let split = InsertSplit {
+        commands,
+        min_buckets: 1,
+    };
+    let mut writer =
+        BucketWriter::new(store, CAPACITY, 10_000, Metrics::new()).with_insert_split(split);
     let topic = env.topic.clone();
     let chained: i64 = 100;
     let customers: Vec<i64> = (0..40).chain([chained]).collect();
@@ -95,6 +116,8 @@ async fn refused_new_buckets(sharded: bool) {
         .await
         .expect("batch A");
     assert!(outcomes.iter().all(|o| *o == Outcome::Written));
+    // 41 first new buckets, then 41 second ones, each insert in `commands`.
+    assert_eq!(inserts.load(Ordering::Relaxed), 2 * commands);
 
     // Batch B: a duplicate of each customer's first trade (in its older
     // bucket) and a new trade; the chained customer gets four new trades,

@@ -29,7 +29,7 @@ use std::task::{Context, Poll};
 use mongodb::bson::{rawdoc, Bson, DateTime, Document, RawDocumentBuf};
 use proptest::prelude::*;
 
-use super::{BucketWriter, Events, Outcome};
+use super::{BucketWriter, Events, InsertSplit, Outcome};
 use crate::bucket::db::BucketDb;
 use crate::bucket::id::Prefix;
 use crate::bucket::plan::{LoadedHead, Room};
@@ -503,8 +503,13 @@ fn writing(
             capacity,
             hold,
             cache,
+            inserts,
         } = config;
-        let mut writer = BucketWriter::new(db, capacity, cache, Metrics::new());
+        let mut writer =
+            BucketWriter::new(db, capacity, cache, Metrics::new()).with_insert_split(InsertSplit {
+                commands: inserts,
+                min_buckets: 1,
+            });
         let from = *committed.lock().unwrap();
         // Held trades, each with the batch it came in, and what each
         // held customer's bucket takes.
@@ -581,6 +586,9 @@ struct Config {
     /// Customers cached: below the case's three customers, a write evicts
     /// heads it loaded before it plans them.
     cache: usize,
+    /// Insert commands at once, with no minimum size, so that the case's
+    /// few buckets are split too.
+    inserts: usize,
 }
 
 /// Runs the writers to the end, interleaved as `schedule` says; a step
@@ -702,6 +710,7 @@ proptest! {
         capacity in 1u32..5,
         hold in proptest::bool::ANY,
         cache in prop_oneof![Just(100usize), 1usize..3],
+        inserts in 1usize..4,
         script in prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 1..200)],
         poison_every in proptest::option::of(4u32..9),
     ) {
@@ -712,7 +721,7 @@ proptest! {
             .filter(|k| poison_every.is_some_and(|n| trade_number(k) % n == n - 1))
             .collect();
         let db = ModelDb::with_faults(script, poison.clone());
-        let claims = run(&db, &readers, &parts, &schedule, Config { capacity, hold, cache });
+        let claims = run(&db, &readers, &parts, &schedule, Config { capacity, hold, cache, inserts });
         let db = db.db();
         let stored = stored(&db);
         for (key, outcome) in claims.lock().unwrap().iter() {
