@@ -37,6 +37,23 @@ async fn store(env: &TestEnv, sharded: bool) -> BucketStore {
     store
 }
 
+/// A counter of the `command` commands a client with the returned handler
+/// sends to the test's database.
+fn counting(
+    env: &TestEnv,
+    command: &'static str,
+) -> (Arc<AtomicUsize>, EventHandler<CommandEvent>) {
+    let count = Arc::new(AtomicUsize::new(0));
+    let counter = count.clone();
+    let db = env.db.clone();
+    let handler = EventHandler::callback(move |e| {
+        if matches!(e, CommandEvent::Started(s) if s.command_name == command && s.db == db) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    (count, handler)
+}
+
 /// The audit of the mode, which must find nothing wrong.
 async fn audit_mode_clean(env: &TestEnv, sharded: bool) -> AuditReport {
     let report = tradebucket::cli::audit(&env.settings(&mode(sharded)), None)
@@ -79,14 +96,7 @@ async fn refused_new_buckets_cost_one_more_round_not_one_each() {
 
 async fn refused_new_buckets(sharded: bool, commands: usize) {
     let env = TestEnv::new("writer-refusals", 1).await;
-    let inserts = Arc::new(AtomicUsize::new(0));
-    let counter = inserts.clone();
-    let db = env.db.clone();
-    let handler = EventHandler::callback(move |e| {
-        if matches!(e, CommandEvent::Started(s) if s.command_name == "insert" && s.db == db) {
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
-    });
+    let (inserts, handler) = counting(&env, "insert");
     let store = BucketStore::connect_with(&env.settings(&mode(sharded)), Some(handler))
         .await
         .expect("MongoDB client");
@@ -711,14 +721,7 @@ async fn probed_heads_are_the_heads_one_find_per_customer_reads() {
         let legacy = doc! {"_id": id, "customerId": c, "count": 1, "history": [{"key": id}]};
         coll.insert_one(legacy).await.expect("a legacy bucket");
     }
-    let finds = Arc::new(AtomicUsize::new(0));
-    let counter = finds.clone();
-    let db = env.db.clone();
-    let handler = EventHandler::callback(move |e| {
-        if matches!(e, CommandEvent::Started(s) if s.command_name == "find" && s.db == db) {
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
-    });
+    let (finds, handler) = counting(&env, "find");
     let probing = BucketStore::connect_with(&env.settings(&mode(false)), Some(handler))
         .await
         .expect("MongoDB client");
