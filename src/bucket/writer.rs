@@ -111,7 +111,8 @@ impl<S: BucketDb> BucketWriter<S> {
     }
 
     /// Sends a round's new buckets as up to `split.commands` `insert`
-    /// commands at once (`mongodb.insert_concurrency`; one by default).
+    /// commands at once (`mongodb.insert_concurrency`); without it, each
+    /// insert is one command.
     pub fn with_insert_split(mut self, split: InsertSplit) -> Self {
         self.insert_split = split;
         self
