@@ -6,6 +6,7 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use mongodb::bson::doc;
@@ -33,12 +34,34 @@ fn stack_script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/stack")
 }
 
-/// A port free at the time of asking (for servers that need it up front).
+/// Where [`free_port`] looks: below Linux's ephemeral range (32768 and up
+/// by default) and clear of the stacks' default ports (scripts/test's and
+/// scripts/test-fresh's shards: 19092 to 19213, 27117 to 27237).
+const TEST_PORTS: std::ops::Range<u32> = 20_000..27_000;
+
+/// A port free at the time of asking, for a server that binds it later (a
+/// JVM that binds seconds after, a broker restarted on its port).
+///
+/// Not one the kernel hands out (`bind(":0")`): a port from the ephemeral
+/// range can be taken, between the asking and the server's bind, as the
+/// source port of any outgoing connection on the machine, and the test
+/// shards' clients open thousands; that failed a private broker's start in
+/// CI ("Address already in use"). Below the range only another explicit
+/// bind can take it. Each process walks the range from its own place (set
+/// by its pid) so that the shards, running at once, ask for different
+/// ports; each port is handed out once per process.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    static ASKED: AtomicU32 = AtomicU32::new(0);
+    let span = TEST_PORTS.end - TEST_PORTS.start;
+    let start = std::process::id().wrapping_mul(2_654_435_761) % span;
+    for _ in 0..span {
+        let asked = ASKED.fetch_add(1, Ordering::Relaxed);
+        let port = (TEST_PORTS.start + (start + asked) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {TEST_PORTS:?}")
 }
 
 /// GET `url`: (status, body), or `None` when nothing answers.
