@@ -47,7 +47,7 @@ pub use error::{
 };
 pub use heads::PROBE_CUSTOMERS;
 pub use layout::{collection_conflict, layout_conflict, ShardState, SHARD_KEY_FIELD};
-pub use write::{chunk_by_size, fill_commands, update_command};
+pub use write::{chunk_by_size, even_runs, fill_commands, update_command};
 use write::{insert_failure, parse_write_reply, write_concern, write_concern_doc};
 
 use std::collections::HashSet;

@@ -173,24 +173,33 @@ pub fn chunk_by_size(statements: &[RawDocumentBuf]) -> Vec<Range<usize>> {
     chunks
 }
 
+/// `len` items in `runs` consecutive runs (fewer only if there are fewer
+/// items), in order, whose counts differ by one at most: how a round's
+/// fills and inserts are shared out over commands sent at once.
+pub fn even_runs(len: usize, runs: usize) -> impl Iterator<Item = Range<usize>> {
+    let runs = runs.clamp(1, len.max(1));
+    let (base, longer) = (len / runs, len % runs);
+    (0..runs).scan(0, move |start, run| {
+        let end = *start + base + usize::from(run < longer);
+        let range = *start..end;
+        *start = end;
+        Some(range)
+    })
+}
+
 /// The commands a round's fill statements go out in, so that up to
-/// `streams` of them can run at once: the statements split into
-/// `streams` runs (fewer only if there are fewer statements) whose counts
-/// differ by one at most, each run then cut by size ([`chunk_by_size`]).
-/// Each statement is one customer's, so any split keeps every customer's
+/// `streams` of them can run at once: the statements in `streams`
+/// [`even_runs`], each run then cut by size ([`chunk_by_size`]). Each
+/// statement is one customer's, so any split keeps every customer's
 /// writes in order.
 pub fn fill_commands(statements: &[RawDocumentBuf], streams: usize) -> Vec<Range<usize>> {
-    let runs = streams.clamp(1, statements.len().max(1));
-    let (base, longer) = (statements.len() / runs, statements.len() % runs);
-    let mut commands = Vec::new();
-    let mut start = 0;
-    for run in 0..runs {
-        let end = start + base + usize::from(run < longer);
-        let cut = chunk_by_size(&statements[start..end]);
-        commands.extend(cut.into_iter().map(|r| start + r.start..start + r.end));
-        start = end;
-    }
-    commands
+    even_runs(statements.len(), streams)
+        .flat_map(|run| {
+            let cut = chunk_by_size(&statements[run.clone()]);
+            cut.into_iter()
+                .map(move |r| run.start + r.start..run.start + r.end)
+        })
+        .collect()
 }
 
 /// The raw `update` command of `statements`, unordered: `{update:
@@ -285,6 +294,16 @@ mod tests {
         assert!(parse_write_reply(&too_many, 3).is_err());
         let no_n = doc! {"ok": 1.0};
         assert!(parse_write_reply(&no_n, 3).is_err());
+    }
+
+    #[test]
+    fn even_runs_differ_by_one_at_most() {
+        let runs = |len, n| even_runs(len, n).collect::<Vec<_>>();
+        assert_eq!(runs(10, 4), vec![0..3, 3..6, 6..8, 8..10]);
+        assert_eq!(runs(3, 5), vec![0..1, 1..2, 2..3]);
+        assert_eq!(runs(4, 0), vec![0..4]);
+        // Nothing to share out: one empty run, which the callers skip.
+        assert_eq!(runs(0, 3), vec![0..0]);
     }
 
     #[test]

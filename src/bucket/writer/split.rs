@@ -6,6 +6,8 @@
 
 use std::ops::Range;
 
+use crate::bucket::store::even_runs;
+
 /// At most `commands` commands, each of at least `min_buckets` new buckets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InsertSplit {
@@ -30,26 +32,25 @@ impl InsertSplit {
     }
 
     /// The commands for new buckets whose plans are `chains` (one entry per
-    /// bucket, a customer's chain in consecutive entries): ranges of about
-    /// equal length, in order. `ordered` keeps each chain whole in one
-    /// command: an ordered insert stops at its first refusal, which is
-    /// what keeps a chain from getting a bucket after a missing one, and a
-    /// chain split over two commands sent at once would lose that.
+    /// bucket, a customer's chain in consecutive entries): [`even_runs`],
+    /// in order. `ordered` keeps each chain whole in one command, each cut
+    /// moved past the chain it falls in: an ordered insert stops at its
+    /// first refusal, which is what keeps a chain from getting a bucket
+    /// after a missing one, and a chain split over two commands sent at
+    /// once would lose that.
     pub fn commands<T: PartialEq>(self, chains: &[T], ordered: bool) -> Vec<Range<usize>> {
-        let commands = self
-            .commands
-            .min(chains.len() / self.min_buckets.max(1))
-            .max(1);
-        let per = chains.len().div_ceil(commands);
-        let mut runs = Vec::with_capacity(commands);
+        let commands = self.commands.min(chains.len() / self.min_buckets.max(1));
+        let mut runs = Vec::with_capacity(commands.max(1));
         let mut start = 0;
-        while start < chains.len() {
-            let mut end = (start + per).min(chains.len());
+        for run in even_runs(chains.len(), commands) {
+            let mut end = run.end.max(start);
             while ordered && end < chains.len() && chains[end] == chains[end - 1] {
                 end += 1;
             }
-            runs.push(start..end);
-            start = end;
+            if end > start {
+                runs.push(start..end);
+                start = end;
+            }
         }
         runs
     }
@@ -85,6 +86,12 @@ mod tests {
         let chains = [1, 1, 2, 2, 2, 3, 3, 4];
         assert_eq!(split(2, 1).commands(&chains, true), vec![0..5, 5..8]);
         assert_eq!(split(2, 1).commands(&chains, false), vec![0..4, 4..8]);
+        // Runs differ by one bucket at most, as the fills' do.
+        let firsts: Vec<usize> = (0..10).collect();
+        assert_eq!(
+            split(4, 1).commands(&firsts, false),
+            vec![0..3, 3..6, 6..8, 8..10]
+        );
         // One chain is one command, whatever the split asks.
         assert_eq!(split(4, 1).commands(&[7; 9], true), vec![0..9]);
     }
