@@ -223,6 +223,14 @@ def floor_verdict(ok, server_share, needed):
     if ok is None or ok:
         return ok
     return SERVER_FLOOR if server_share is not None and server_share < needed else False
+def warm_pairs_text():
+    """The warm pairs' ratios, when the run measured several (from session
+    40): the target's figure is the median pair's."""
+    ratios = warm.get("ratios") or []
+    if len(ratios) < 2:
+        return ""
+    listed = ", ".join(f"{x:.2f}" for x in ratios)
+    return f", the median of {len(ratios)} alternating pairs ({listed} ×)"
 def broker_target():
     """The broker target, from the best pair the run has: the pair run
     again last on the warmed broker (from session 31); else the first
@@ -233,6 +241,7 @@ def broker_target():
         return target(
             name + ", read at the worker's pace, on a broker that has compiled its code (both run again last)",
             f"{us(warm_tb.get('broker'))} vs {us(warm_paced.get('broker'))} µs = {warm_ratio:.2f} ×"
+            f"{warm_pairs_text()}"
             f" (compiler threads {us(warm_tb.get('broker_jit'))} and {us(warm_paced.get('broker_jit'))} µs;"
             f" {warm['worker']['events_per_second']:,.0f} events/s); on the broker started for the run,"
             f" without its compiler threads: {us(tb_broker_work)} vs {us(paced_broker_work)} µs ="
