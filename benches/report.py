@@ -307,6 +307,13 @@ paced_beside = r.get("append_paced_beside")
 paced_checks = [(name, c) for name, c in (("with the machine to itself", paced_appends),
                                           ("beside the phase's Kafka load", paced_beside)) if c]
 paced_missed = [name for name, c in paced_checks if c["p99_seconds"] > 1.0]
+def repeats_text(x, label=False):
+    """A phase measured more than once (from session 40): every p99."""
+    runs = (x or {}).get("p99_repeats") or []
+    if len(runs) < 2:
+        return ""
+    listed = ", ".join(f"{p:.2f}" for p in runs)
+    return f" (the median of {len(runs)} phases: {listed} s)" if label else f", the median of {len(runs)} phases: {listed} s"
 def steady_verdict(ok):
     """Set by the server when a database-alone check misses p99 ≤ 1 s."""
     if ok or not paced_checks:
@@ -317,7 +324,7 @@ if curve and appends:
     above = "" if missed is None else f", p99 {missed['p99_seconds']:.2f} s at {rate(missed['rate_events_per_second'])}/s"
     targets.append(target(
         f"steady capacity (p99 ≤ 1 s) ≥ 0.8 × the append ceiling ({rate(appends)}/s) = {rate(0.8 * appends)}/s",
-        (f"held at {rate(capacity)}/s = {capacity / appends:.2f} × (p99 {held['p99_seconds']:.2f} s){above}"
+        (f"held at {rate(capacity)}/s = {capacity / appends:.2f} × (p99 {held['p99_seconds']:.2f} s{repeats_text(held)}){above}{repeats_text(missed, True)}"
          if held else "not held at the curve's lowest rate")
         + ("" if not paced_appends else
            f"; the database alone, its appends paced at {rate(paced_appends['rate'])}/s by one client:"
