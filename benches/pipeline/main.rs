@@ -228,7 +228,7 @@ async fn main() -> anyhow::Result<()> {
 /// minute apart on a broker whose CPU at rest moves between windows (0.010
 /// to 0.031 cores) and is most of either half's figure at the worker's
 /// pace, so one pair is one draw of that noise (standalone pairs of the
-/// same binaries on one warm broker gave ratios a third apart).
+/// same binaries on one warm broker gave ratios a fifth apart).
 const WARM_PAIRS: usize = 3;
 
 /// Step 7: the broker target's pair again, last, on the broker as the
