@@ -223,14 +223,15 @@ def floor_verdict(ok, server_share, needed):
     if ok is None or ok:
         return ok
     return SERVER_FLOOR if server_share is not None and server_share < needed else False
-def warm_pairs_text():
-    """The warm pairs' ratios, when the run measured several (from session
-    40): the target's figure is the median pair's."""
-    ratios = warm.get("ratios") or []
-    if len(ratios) < 2:
+def medians_text(values, what, unit, parenthesised=False):
+    """A measurement repeated against the host's noise (from session 40):
+    every value beside the median the target takes."""
+    values = values or []
+    if len(values) < 2:
         return ""
-    listed = ", ".join(f"{x:.2f}" for x in ratios)
-    return f", the median of {len(ratios)} alternating pairs ({listed} ×)"
+    listed = f"{', '.join(f'{v:.2f}' for v in values)} {unit}"
+    return (f" (the median of {len(values)} {what}: {listed})" if parenthesised
+            else f", the median of {len(values)} {what}: {listed}")
 def broker_target():
     """The broker target, from the best pair the run has: the pair run
     again last on the warmed broker (from session 31); else the first
@@ -241,7 +242,7 @@ def broker_target():
         return target(
             name + ", read at the worker's pace, on a broker that has compiled its code (both run again last)",
             f"{us(warm_tb.get('broker'))} vs {us(warm_paced.get('broker'))} µs = {warm_ratio:.2f} ×"
-            f"{warm_pairs_text()}"
+            f"{medians_text(warm.get('ratios'), 'alternating pairs', '×')}"
             f" (compiler threads {us(warm_tb.get('broker_jit'))} and {us(warm_paced.get('broker_jit'))} µs;"
             f" {warm['worker']['events_per_second']:,.0f} events/s); on the broker started for the run,"
             f" without its compiler threads: {us(tb_broker_work)} vs {us(paced_broker_work)} µs ="
@@ -307,13 +308,6 @@ paced_beside = r.get("append_paced_beside")
 paced_checks = [(name, c) for name, c in (("with the machine to itself", paced_appends),
                                           ("beside the phase's Kafka load", paced_beside)) if c]
 paced_missed = [name for name, c in paced_checks if c["p99_seconds"] > 1.0]
-def repeats_text(x, label=False):
-    """A phase measured more than once (from session 40): every p99."""
-    runs = (x or {}).get("p99_repeats") or []
-    if len(runs) < 2:
-        return ""
-    listed = ", ".join(f"{p:.2f}" for p in runs)
-    return f" (the median of {len(runs)} phases: {listed} s)" if label else f", the median of {len(runs)} phases: {listed} s"
 def steady_verdict(ok):
     """Set by the server when a database-alone check misses p99 ≤ 1 s."""
     if ok or not paced_checks:
@@ -324,7 +318,7 @@ if curve and appends:
     above = "" if missed is None else f", p99 {missed['p99_seconds']:.2f} s at {rate(missed['rate_events_per_second'])}/s"
     targets.append(target(
         f"steady capacity (p99 ≤ 1 s) ≥ 0.8 × the append ceiling ({rate(appends)}/s) = {rate(0.8 * appends)}/s",
-        (f"held at {rate(capacity)}/s = {capacity / appends:.2f} × (p99 {held['p99_seconds']:.2f} s{repeats_text(held)}){above}{repeats_text(missed, True)}"
+        (f"held at {rate(capacity)}/s = {capacity / appends:.2f} × (p99 {held['p99_seconds']:.2f} s{medians_text(held.get('p99_repeats'), 'phases', 's')}){above}{medians_text((missed or {}).get('p99_repeats'), 'phases', 's', True)}"
          if held else "not held at the curve's lowest rate")
         + ("" if not paced_appends else
            f"; the database alone, its appends paced at {rate(paced_appends['rate'])}/s by one client:"

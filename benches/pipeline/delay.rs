@@ -16,7 +16,7 @@ use tradebucket::config::Settings;
 use crate::cpu::{Cpu, CpuSnapshot};
 use crate::scrape::{counter, gauge, histogram, quantile, since, stage_breakdown, write_work};
 use crate::target::{committed_reached, end_offsets, kafka_consumer, stop, Target};
-use crate::{produce_options, Args};
+use crate::{median_by, produce_options, Args};
 
 /// Step 6: delay at the target's steady load (with sampled trades), then
 /// the delay curve: steady loads at `args.steady_fractions` of the append
@@ -48,7 +48,7 @@ pub(crate) async fn delays(
             );
             runs.push(latency);
         }
-        let mut latency = median_by_p99(runs);
+        let mut latency = median_by(runs, "p99_seconds", "p99_repeats");
         latency["fraction_of_append_ceiling"] = json!(fraction);
         delays.push(latency);
     }
@@ -69,19 +69,6 @@ fn repeats(fraction: Option<f64>) -> usize {
         Some(f) if (f - TARGET_FRACTION).abs() < 1e-9 => TARGET_REPEATS,
         _ => 1,
     }
-}
-
-/// The phase of the median p99 among `runs` (one or more), with every
-/// run's p99 beside it when there were several.
-fn median_by_p99(mut runs: Vec<serde_json::Value>) -> serde_json::Value {
-    let p99 = |x: &serde_json::Value| x["p99_seconds"].as_f64().unwrap_or(f64::INFINITY);
-    let all: Vec<f64> = runs.iter().map(p99).collect();
-    runs.sort_by(|a, b| p99(a).total_cmp(&p99(b)));
-    let mut median = runs.swap_remove(runs.len() / 2);
-    if all.len() > 1 {
-        median["p99_repeats"] = json!(all);
-    }
-    median
 }
 
 /// Delay from message timestamp to committed write, from the worker's own

@@ -257,13 +257,24 @@ async fn warm_broker_pair(args: &Args, target: &Target) -> anyhow::Result<serde_
         eprintln!("bench: the broker pair again, warm ({}): {pair}", i + 1);
         pairs.push(pair);
     }
-    let ratios: Vec<f64> = pairs.iter().filter_map(|p| p["ratio"].as_f64()).collect();
-    // A pair without a ratio (no broker figure) sorts last.
-    let key = |p: &serde_json::Value| p["ratio"].as_f64().unwrap_or(f64::INFINITY);
-    pairs.sort_by(|a, b| key(a).total_cmp(&key(b)));
-    let mut median = pairs[pairs.len() / 2].clone();
-    median["ratios"] = json!(ratios);
-    Ok(median)
+    Ok(median_by(pairs, "ratio", "ratios"))
+}
+
+/// The run of the median `key` among `runs` (one or more; one without it
+/// sorts last), with every run's `key` listed as `all` when there were
+/// several: how a measurement repeated against the host's noise is
+/// judged (the warm broker pairs, the steady capacity's target rate).
+fn median_by(mut runs: Vec<serde_json::Value>, key: &str, all: &str) -> serde_json::Value {
+    let value = |x: &serde_json::Value| x[key].as_f64();
+    let listed: Vec<f64> = runs.iter().filter_map(value).collect();
+    let order = |x: &serde_json::Value| value(x).unwrap_or(f64::INFINITY);
+    runs.sort_by(|a, b| order(a).total_cmp(&order(b)));
+    let several = runs.len() > 1;
+    let mut median = runs.swap_remove(runs.len() / 2);
+    if several {
+        median[all] = json!(listed);
+    }
+    median
 }
 
 /// The phases (groups and databases) of step 7's pairs.
